@@ -1,0 +1,38 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Both create .venv when missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build is installed only when no torch is importable; a GPU user's torch is kept.
+# Elsewhere than here, add the CPU wheel index: make TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+STAMP := $(VENV)/.installed
+NATIVE := $(wildcard csrc/*.cpp csrc/*.h)
+
+.PHONY: install demo test bench lint clean
+
+install: $(STAMP)
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml setup.py $(NATIVE)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(PIP) install -q "setuptools>=64" wheel "pybind11>=2.12"
+	$(PIP) install -q --no-build-isolation -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) examples/gpt/train.py --strategy hai_ddp --devices 2 --config tiny --max-steps 60
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/report.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf build *.egg-info lightning_haiscale/_C*.so $(VENV)

@@ -1,0 +1,130 @@
+// The only file that knows pybind11: checks every call at the border, releases the GIL for waits.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+
+#include "communicator.h"
+
+namespace py = pybind11;
+using hfreduce::Communicator;
+using hfreduce::Config;
+using hfreduce::DType;
+using hfreduce::SharedBuffer;
+using hfreduce::Work;
+
+namespace {
+// One rank's region of a SharedBuffer, exposed through the buffer protocol; it owns the buffer, so a
+// tensor made by torch.frombuffer keeps the shared memory mapped for as long as the tensor lives.
+struct Region {
+  std::shared_ptr<SharedBuffer> buffer;
+  int rank;
+};
+}  // namespace
+
+namespace {
+const void* as_ptr(uintptr_t address, size_t count, const char* what) {
+  if (count > 0 && address == 0) throw std::invalid_argument(std::string("hfreduce: null ") + what + " pointer");
+  return reinterpret_cast<const void*>(address);
+}
+
+double checked_divisor(DType dtype, double divisor) {
+  if (divisor != 1.0 && !hfreduce::is_floating(dtype)) {
+    throw std::invalid_argument("hfreduce: op='avg' needs a floating-point dtype");
+  }
+  if (!(divisor > 0)) throw std::invalid_argument("hfreduce: divisor must be positive");
+  return divisor;
+}
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "hfreduce-style shared-memory collective engine (no torch inside; see lightning_haiscale.hfreduce)";
+  m.def("simd_level", &hfreduce::simd_level);
+  m.def("element_size", [](int32_t code) { return hfreduce::element_size(hfreduce::dtype_from_code(code)); });
+  m.def(
+      "reduce",
+      [](int32_t dtype, uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, double divisor) {
+        const DType dt = hfreduce::dtype_from_code(dtype);
+        if (srcs.empty()) throw std::invalid_argument("hfreduce: reduce needs at least one source");
+        std::vector<const void*> ptrs;
+        for (uintptr_t s : srcs) ptrs.push_back(as_ptr(s, count, "source"));
+        py::gil_scoped_release release;
+        hfreduce::reduce(dt, const_cast<void*>(as_ptr(dst, count, "destination")), ptrs.data(),
+                         static_cast<int>(ptrs.size()), count, checked_divisor(dt, divisor));
+      },
+      "Sums arrays element-wise into dst (test hook for the SIMD kernels).");
+
+  py::class_<Work, std::shared_ptr<Work>>(m, "Work")
+      .def("wait", &Work::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def("is_completed", &Work::is_completed)
+      .def("error_kind", [](Work& w) { return static_cast<int>(w.error_kind()); })
+      .def("error_message", &Work::error_message)
+      .def("error_ranks", &Work::error_ranks);
+
+  py::class_<SharedBuffer, std::shared_ptr<SharedBuffer>>(m, "SharedBuffer", py::buffer_protocol())
+      .def(py::init<const std::string&, size_t, int, bool>(), py::arg("name"), py::arg("region_bytes"),
+           py::arg("local_size"), py::arg("create"))
+      .def("unlink", &SharedBuffer::unlink)
+      .def_property_readonly("region_bytes", &SharedBuffer::region_bytes)
+      .def("region", [](std::shared_ptr<SharedBuffer> b, int r) {
+        if (r < 0 || r >= b->local_size()) throw std::invalid_argument("hfreduce: region rank out of range");
+        return Region{std::move(b), r};
+      });
+
+  py::class_<Region>(m, "Region", py::buffer_protocol()).def_buffer([](Region& r) {
+    return py::buffer_info(r.buffer->region(r.rank), 1, py::format_descriptor<uint8_t>::format(), 1,
+                           {static_cast<py::ssize_t>(r.buffer->region_bytes())}, {1}, false);
+  });
+
+  py::class_<Communicator>(m, "Communicator")
+      .def(py::init([](const std::string& name, int local_rank, int local_size, bool create, size_t slot_bytes,
+                       double timeout_s, int spin_iters) {
+             Config c;
+             c.name = name;
+             c.local_rank = local_rank;
+             c.local_size = local_size;
+             c.create = create;
+             c.slot_bytes = slot_bytes;
+             c.timeout_s = timeout_s;
+             c.spin_iters = spin_iters;
+             return new Communicator(c);
+           }),
+           py::arg("name"), py::arg("local_rank"), py::arg("local_size"), py::arg("create"),
+           py::arg("slot_bytes"), py::arg("timeout_s"), py::arg("spin_iters"))
+      .def_static("segment_bytes", &Communicator::segment_bytes)
+      .def("wait_attached", &Communicator::wait_attached, py::call_guard<py::gil_scoped_release>())
+      .def("stop", &Communicator::stop, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("local_rank", &Communicator::local_rank)
+      .def_property_readonly("local_size", &Communicator::local_size)
+      .def("all_reduce",
+           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count, int32_t dtype, double divisor) {
+             const DType dt = hfreduce::dtype_from_code(dtype);
+             return c.all_reduce(as_ptr(src, count, "input"), const_cast<void*>(as_ptr(dst, count, "output")), count,
+                                 dt, checked_divisor(dt, divisor));
+           })
+      .def("all_reduce_buffer",
+           [](Communicator& c, std::shared_ptr<SharedBuffer> buffer, size_t offset, size_t count, int32_t dtype,
+              double divisor) {
+             const DType dt = hfreduce::dtype_from_code(dtype);
+             return c.all_reduce_buffer(std::move(buffer), offset, count, dt, checked_divisor(dt, divisor));
+           })
+      .def("reduce_scatter",
+           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count_per_rank, int32_t dtype, double divisor) {
+             const DType dt = hfreduce::dtype_from_code(dtype);
+             return c.reduce_scatter(as_ptr(src, count_per_rank, "input"),
+                                     const_cast<void*>(as_ptr(dst, count_per_rank, "output")), count_per_rank, dt,
+                                     checked_divisor(dt, divisor));
+           })
+      .def("all_gather",
+           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count_per_rank, int32_t dtype) {
+             return c.all_gather(as_ptr(src, count_per_rank, "input"),
+                                 const_cast<void*>(as_ptr(dst, count_per_rank, "output")), count_per_rank,
+                                 hfreduce::dtype_from_code(dtype));
+           })
+      .def("broadcast",
+           [](Communicator& c, uintptr_t buffer, size_t count, int32_t dtype, int root) {
+             return c.broadcast(const_cast<void*>(as_ptr(buffer, count, "tensor")), count,
+                                hfreduce::dtype_from_code(dtype), root);
+           })
+      .def("barrier", &Communicator::barrier);
+}

@@ -1,0 +1,137 @@
+// The host-local collective engine: one shared-memory segment per communicator, one worker thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "reduce_kernels.h"
+#include "shm_segment.h"
+
+namespace hfreduce {
+
+// Why a collective failed; the Python face turns these into HFReduceTimeoutError / HFReducePeerError.
+enum class ErrorKind : int32_t { kNone = 0, kTimeout = 1, kPeerDied = 2, kOther = 3 };
+
+// Completion handle of one asynchronous collective.
+class Work {
+ public:
+  // Blocks until done or `timeout_s` passes (negative: no limit). Returns whether it is done.
+  bool wait(double timeout_s);
+  bool is_completed();
+  ErrorKind error_kind();
+  std::string error_message();
+  std::vector<int> error_ranks();  // local ranks that were missing or dead
+
+  void finish(ErrorKind kind, std::string message, std::vector<int> ranks);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  ErrorKind kind_ = ErrorKind::kNone;
+  std::string message_;
+  std::vector<int> ranks_;
+};
+
+// Tensors that live in shared memory: one region per local rank, all mapped by every local rank, so an
+// all-reduce of a region reduces in place with no copy in or out.
+class SharedBuffer {
+ public:
+  SharedBuffer(const std::string& name, size_t region_bytes, int local_size, bool create);
+  char* region(int local_rank) const { return base_ + static_cast<size_t>(local_rank) * region_bytes_; }
+  size_t region_bytes() const { return region_bytes_; }
+  int local_size() const { return local_size_; }
+  void unlink() { segment_.unlink(); }
+
+ private:
+  ShmSegment segment_;
+  size_t region_bytes_;
+  int local_size_;
+  char* base_;
+};
+
+struct Config {
+  std::string name;           // POSIX shm name of the control segment, e.g. "/lhs-<random>"
+  int local_rank = 0;
+  int local_size = 1;
+  bool create = false;        // the creator (local rank 0) makes and later unlinks the segment
+  size_t slot_bytes = 1 << 20;  // staging chunk per rank; two sets of them double-buffer
+  double timeout_s = 300;     // deadline of every wait on a peer
+  int spin_iters = 0;         // busy-wait this often before sleeping (0 when ranks share cores)
+};
+
+struct Header;
+
+class Communicator {
+ public:
+  explicit Communicator(Config config);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  // Bytes of shared memory a communicator of this shape maps (for the /dev/shm preflight).
+  static size_t segment_bytes(int local_size, size_t slot_bytes);
+
+  // Collective: returns once every local rank has mapped the segment; the creator then unlinks it.
+  void wait_attached();
+
+  // Asynchronous collectives, run in submission order on the worker thread. Every local rank must
+  // submit the same sequence. Pointers must stay valid until the Work completes.
+  std::shared_ptr<Work> all_reduce(const void* src, void* dst, size_t count, DType dtype, double divisor);
+  std::shared_ptr<Work> all_reduce_buffer(std::shared_ptr<SharedBuffer> buffer, size_t offset_bytes,
+                                          size_t count, DType dtype, double divisor);
+  std::shared_ptr<Work> reduce_scatter(const void* src, void* dst, size_t count_per_rank, DType dtype,
+                                       double divisor);
+  std::shared_ptr<Work> all_gather(const void* src, void* dst, size_t count_per_rank, DType dtype);
+  std::shared_ptr<Work> broadcast(void* buffer, size_t count, DType dtype, int root);
+  std::shared_ptr<Work> barrier();
+
+  // Finishes queued work, then stops the worker thread. Idempotent; later submissions fail.
+  void stop();
+
+  int local_rank() const { return config_.local_rank; }
+  int local_size() const { return config_.local_size; }
+
+ private:
+  struct PeerFailure;
+
+  std::shared_ptr<Work> submit(std::function<void()> body);
+  void worker_loop();
+  void arrive_and_wait();
+  void wait_for_peer(int peer, uint32_t generation);
+  [[noreturn]] void fail_waiting(ErrorKind kind, uint32_t generation, int dead_peer);
+  char* staging(int set, int rank) const;
+  int next_set();
+
+  void run_all_reduce(const char* src, char* dst, size_t count, DType dtype, double divisor);
+  void run_all_reduce_buffer(const SharedBuffer& buffer, size_t offset, size_t count, DType dtype,
+                             double divisor);
+  void run_reduce_scatter(const char* src, char* dst, size_t count, DType dtype, double divisor);
+  void run_all_gather(const char* src, char* dst, size_t count, DType dtype);
+  void run_broadcast(char* buffer, size_t count, DType dtype, int root);
+
+  Config config_;
+  ShmSegment segment_;
+  Header* header_;
+  char* data_;
+  uint32_t generation_ = 0;  // barriers this rank has passed
+  int set_ = 0;              // staging set the next chunk uses
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::function<void()>, std::shared_ptr<Work>>> queue_;
+  bool stopping_ = false;
+  std::string broken_;  // first failure; every later collective fails with it
+  std::thread worker_;
+};
+
+}  // namespace hfreduce

@@ -1,0 +1,72 @@
+// The one reduction template, compiled once per instruction set.
+//
+// Included by reduce_kernels.cpp inside `namespace <isa>` under `#pragma GCC target(...)`, after that
+// ISA's `Simd` traits (simd_avx512.h, simd_avx2.h, simd_generic.h). No include guard on purpose.
+
+// Sums `n` float-like arrays (float, fp16 or bf16 bits) in fp32 lanes, divides, rounds once on store.
+template <class T>
+void sum_in_fp32(T* dst, const T* const* srcs, int n, size_t count, float divisor) {
+  constexpr size_t W = Simd::kWidth;
+  const bool divide = divisor != 1.0f;
+  const auto vdiv = Simd::set1(divisor);
+  size_t i = 0;
+  for (; i + W <= count; i += W) {
+    auto acc = Simd::load(srcs[0] + i);
+    for (int k = 1; k < n; ++k) acc = Simd::add(acc, Simd::load(srcs[k] + i));
+    if (divide) acc = Simd::div(acc, vdiv);
+    Simd::store(dst + i, acc);
+  }
+  for (; i < count; ++i) {
+    float acc = to_float(srcs[0][i]);
+    for (int k = 1; k < n; ++k) acc += to_float(srcs[k][i]);
+    if (divide) acc /= divisor;
+    from_float(dst + i, acc);
+  }
+}
+
+// Doubles and integers: plain loops that the compiler vectorizes for this ISA.
+template <class T>
+void sum_plain(T* dst, const T* const* srcs, int n, size_t count, double divisor) {
+  constexpr size_t kBlock = 2048;  // keeps dst in L1 while the sources stream through
+  for (size_t b = 0; b < count; b += kBlock) {
+    const size_t e = b + kBlock < count ? b + kBlock : count;
+    const T* s0 = srcs[0];
+    const T* s1 = n > 1 ? srcs[1] : srcs[0];
+    if (n > 1) {
+      for (size_t i = b; i < e; ++i) dst[i] = s0[i] + s1[i];
+    } else if (dst != s0) {
+      for (size_t i = b; i < e; ++i) dst[i] = s0[i];
+    }
+    for (int k = 2; k < n; ++k) {
+      const T* s = srcs[k];
+      for (size_t i = b; i < e; ++i) dst[i] += s[i];
+    }
+    if (divisor != 1.0) {
+      const T d = static_cast<T>(divisor);
+      for (size_t i = b; i < e; ++i) dst[i] /= d;
+    }
+  }
+}
+
+inline void reduce(DType dtype, void* dst, const void* const* srcs, int n, size_t count, double divisor) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return sum_in_fp32(static_cast<float*>(dst), reinterpret_cast<const float* const*>(srcs), n, count,
+                         static_cast<float>(divisor));
+    case DType::kFloat16:
+      return sum_in_fp32(static_cast<Half*>(dst), reinterpret_cast<const Half* const*>(srcs), n, count,
+                         static_cast<float>(divisor));
+    case DType::kBFloat16:
+      return sum_in_fp32(static_cast<BFloat16*>(dst), reinterpret_cast<const BFloat16* const*>(srcs), n,
+                         count, static_cast<float>(divisor));
+    case DType::kFloat64:
+      return sum_plain(static_cast<double*>(dst), reinterpret_cast<const double* const*>(srcs), n, count,
+                       divisor);
+    case DType::kInt32:
+      return sum_plain(static_cast<int32_t*>(dst), reinterpret_cast<const int32_t* const*>(srcs), n, count,
+                       divisor);
+    case DType::kInt64:
+      return sum_plain(static_cast<int64_t*>(dst), reinterpret_cast<const int64_t* const*>(srcs), n, count,
+                       divisor);
+  }
+}

@@ -1,0 +1,24 @@
+// Element-wise reduction kernels: dst = scale * (src_0 + ... + src_{n-1}), 16-bit types summed in fp32.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace hfreduce {
+
+enum class DType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3, kInt32 = 4, kInt64 = 5 };
+
+size_t element_size(DType dtype);
+bool is_floating(DType dtype);
+// Throws std::invalid_argument for a code that is not a DType.
+DType dtype_from_code(int32_t code);
+
+// Sums `count` elements of `nsrc` arrays into `dst` (which may alias a source) and multiplies by
+// `scale` when scale != 1 (floating types only). Picks the widest SIMD the CPU has at run time.
+void reduce(DType dtype, void* dst, const void* const* srcs, int nsrc, size_t count, double scale);
+
+// Name of the instruction set `reduce` dispatches to on this CPU: "avx512", "avx2" or "generic".
+std::string simd_level();
+
+}  // namespace hfreduce

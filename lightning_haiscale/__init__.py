@@ -1,0 +1,3 @@
+"""lightning-haiscale: haiscale's parallel-training techniques for PyTorch and PyTorch Lightning."""
+
+__version__ = "0.1.0"

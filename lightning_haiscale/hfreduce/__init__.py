@@ -1,0 +1,23 @@
+"""The hfreduce-style collective engine: shared-memory, SIMD, asynchronous, hierarchical across hosts."""
+
+from lightning_haiscale._C import simd_level
+from lightning_haiscale.hfreduce.communicator import Communicator, ReduceOp, Work
+from lightning_haiscale.hfreduce.errors import (
+    HFReduceError,
+    HFReducePeerError,
+    HFReduceTimeoutError,
+    SharedMemoryTooSmallError,
+)
+from lightning_haiscale.hfreduce.topology import NODE_ID_ENV
+
+__all__ = [
+    "NODE_ID_ENV",
+    "Communicator",
+    "HFReduceError",
+    "HFReducePeerError",
+    "HFReduceTimeoutError",
+    "ReduceOp",
+    "SharedMemoryTooSmallError",
+    "Work",
+    "simd_level",
+]

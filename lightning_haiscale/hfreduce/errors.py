@@ -1,0 +1,33 @@
+"""Errors raised by the collective engine."""
+
+
+class HFReduceError(RuntimeError):
+    """A collective failed; the communicator cannot be used afterwards (like an aborted NCCL comm)."""
+
+
+class HFReduceTimeoutError(HFReduceError, TimeoutError):
+    """Peers did not arrive at a collective within the communicator's timeout.
+
+    Attributes:
+        missing_ranks: group ranks that had not arrived.
+    """
+
+    def __init__(self, message: str, missing_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.missing_ranks = missing_ranks
+
+
+class HFReducePeerError(HFReduceError):
+    """A peer process on this host died during a collective.
+
+    Attributes:
+        dead_ranks: group ranks whose process is gone.
+    """
+
+    def __init__(self, message: str, dead_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.dead_ranks = dead_ranks
+
+
+class SharedMemoryTooSmallError(HFReduceError):
+    """/dev/shm has less free space than the communicator needs."""

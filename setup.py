@@ -1,0 +1,32 @@
+"""Builds the native collective engine `lightning_haiscale._C` (C++17, pybind11, no libtorch)."""
+
+import platform
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+SOURCES = [
+    "csrc/shm_segment.cpp",
+    "csrc/communicator.cpp",
+    "csrc/reduce_kernels.cpp",
+    "csrc/bindings.cpp",
+]
+
+extra_compile_args = ["-O3", "-fvisibility=hidden"]
+if platform.machine() in ("x86_64", "AMD64"):
+    # Baseline x86-64 code; the reduce kernels pick AVX2/AVX-512 at run time (target_clones).
+    extra_compile_args += ["-mtune=generic"]
+
+setup(
+    ext_modules=[
+        Pybind11Extension(
+            "lightning_haiscale._C",
+            SOURCES,
+            include_dirs=["csrc"],
+            cxx_std=17,
+            extra_compile_args=extra_compile_args,
+            libraries=["rt"],
+        )
+    ],
+    cmdclass={"build_ext": build_ext},
+)

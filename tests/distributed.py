@@ -1,0 +1,103 @@
+"""Runs a function on N local processes with a gloo process group: the harness of every multi-rank test."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_haiscale.hfreduce import NODE_ID_ENV
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    node_id: str | None,
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    if node_id is not None:
+        os.environ[NODE_ID_ENV] = node_id
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # report every failure to the parent, which raises it
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    node_ids: Sequence[str] | None = None,
+    timeout: float = 180.0,
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; returns results by rank.
+
+    ``node_ids[r]`` simulates rank r's host (sets ``HFREDUCE_NODE_ID``). Any rank's exception is raised
+    here with its traceback; a run past ``timeout`` seconds is killed and raises ``TimeoutError``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, rank, world_size, port, None if node_ids is None else node_ids[rank], args, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outcome: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(outcome) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(outcome))} did not finish in {timeout} s"
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcome]
+                if dead and all(not p.is_alive() for p in procs):
+                    raise RuntimeError(f"ranks {dead} exited without a result") from None
+                continue
+            outcome[rank] = (ok, value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = {r: v for r, (ok, v) in outcome.items() if not ok}
+    if failures:
+        rank = min(failures)
+        raise AssertionError(f"rank {rank} failed:\n{failures[rank]}")
+    return [outcome[r][1] for r in range(world_size)]

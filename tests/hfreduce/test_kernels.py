@@ -1,0 +1,70 @@
+"""The SIMD reduce kernels against torch, bit for bit (16-bit types: fp32 sum, one rounding)."""
+
+import pytest
+import torch
+
+from lightning_haiscale import _C
+from lightning_haiscale.hfreduce.communicator import _DTYPE_CODES
+
+SIZES = [0, 1, 7, 15, 16, 17, 1000, 4097]
+
+
+def _random(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=g, dtype=torch.float64) * 100).to(dtype)
+    return torch.randint(-(2**20), 2**20, (n,), generator=g, dtype=dtype)
+
+
+def _reference(srcs: list[torch.Tensor], divisor: float) -> torch.Tensor:
+    dtype = srcs[0].dtype
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    acc = srcs[0].to(wide).clone()
+    for s in srcs[1:]:
+        acc += s.to(wide)
+    if divisor != 1.0:
+        acc /= divisor
+    return acc.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(_DTYPE_CODES))
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("nsrc", [1, 2, 3, 4])
+def test_reduce_matches_torch(dtype: torch.dtype, n: int, nsrc: int) -> None:
+    srcs = [_random(n, dtype, seed) for seed in range(nsrc)]
+    dst = torch.empty(n, dtype=dtype)
+    _C.reduce(_DTYPE_CODES[dtype], dst.data_ptr(), [s.data_ptr() for s in srcs], n, 1.0)
+    assert torch.equal(dst, _reference(srcs, 1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_average_divides_once(dtype: torch.dtype) -> None:
+    srcs = [_random(1031, dtype, seed) for seed in range(3)]
+    dst = torch.empty(1031, dtype=dtype)
+    _C.reduce(_DTYPE_CODES[dtype], dst.data_ptr(), [s.data_ptr() for s in srcs], 1031, 3.0)
+    assert torch.equal(dst, _reference(srcs, 3.0))
+
+
+def test_bfloat16_rounds_to_nearest_even_and_keeps_nan() -> None:
+    # 1 + 2^-8 is halfway between two bf16 values: it rounds to the even one (1.0).
+    a = torch.tensor([1.0, float("nan"), 1.0], dtype=torch.bfloat16)
+    b = torch.tensor([2.0**-8, 1.0, 3 * 2.0**-8], dtype=torch.bfloat16)
+    dst = torch.empty(3, dtype=torch.bfloat16)
+    _C.reduce(_DTYPE_CODES[torch.bfloat16], dst.data_ptr(), [a.data_ptr(), b.data_ptr()], 3, 1.0)
+    assert dst[0].item() == 1.0
+    assert torch.isnan(dst[1])
+    assert dst[2].item() == 1.0 + 2 * 2.0**-7
+
+
+def test_bad_arguments_raise_instead_of_crashing() -> None:
+    with pytest.raises(ValueError, match="dtype code 9"):
+        _C.reduce(9, 1, [1], 1, 1.0)
+    with pytest.raises(ValueError, match="null"):
+        _C.reduce(0, 0, [0], 4, 1.0)
+    with pytest.raises(ValueError, match="avg"):
+        x = torch.zeros(4, dtype=torch.int32)
+        _C.reduce(_DTYPE_CODES[torch.int32], x.data_ptr(), [x.data_ptr()], 4, 2.0)
+
+
+def test_simd_level_is_reported() -> None:
+    assert _C.simd_level() in {"avx512", "avx2", "generic"}
