@@ -1,0 +1,3 @@
+"""Lightning callbacks over the plain-PyTorch layer."""
+
+__all__: list[str] = []

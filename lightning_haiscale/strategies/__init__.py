@@ -1,0 +1,6 @@
+"""Lightning adapters: each strategy hands the work to the plain-PyTorch layer.
+
+Importing this package registers every strategy name with Lightning's ``StrategyRegistry``.
+"""
+
+__all__: list[str] = []
