@@ -29,13 +29,25 @@ def _entry(
     rank: int,
     world_size: int,
     port: int,
-    node_id: str | None,
+    node_ids: Sequence[str] | None,
     args: tuple[Any, ...],
     results: Any,
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    if node_id is not None:
-        os.environ[NODE_ID_ENV] = node_id
+    # The torchelastic variables make Lightning treat the processes as launched externally.
+    nodes = list(dict.fromkeys(node_ids)) if node_ids is not None else ["0"]
+    node = node_ids[rank] if node_ids is not None else "0"
+    peers = [r for r in range(world_size) if node_ids is None or node_ids[r] == node]
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(peers.index(rank)),
+        LOCAL_WORLD_SIZE=str(len(peers)),
+        GROUP_RANK=str(nodes.index(node)),
+    )
+    if node_ids is not None:
+        os.environ[NODE_ID_ENV] = node
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
@@ -66,7 +78,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_entry,
-            args=(fn, rank, world_size, port, None if node_ids is None else node_ids[rank], args, results),
+            args=(fn, rank, world_size, port, node_ids, args, results),
             daemon=True,
         )
         for rank in range(world_size)
