@@ -1,0 +1,65 @@
+"""The GPT example as a plain LightningModule: nothing in it knows which strategy trains it."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torchmetrics import MeanMetric
+from torchmetrics.text import Perplexity
+
+from examples.gpt.model import GPT, GPTConfig, lm_loss
+
+__all__ = ["GPTLightningModule"]
+
+
+class GPTLightningModule(L.LightningModule):
+    """Trains ``GPT(cfg)`` on (x, y) token batches with AdamW.
+
+    The network is built in :meth:`configure_model`, not ``__init__``, so a sharding strategy can
+    create it under its own initialization context; it is ``self.model``, the one ``nn.Sequential``
+    pipeline strategies look for. Pipeline strategies need ``cfg.tie_weights=False``.
+
+    Args:
+        cfg: the model configuration, e.g. ``config("tiny")``.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+    """
+
+    def __init__(self, cfg: GPTConfig, lr: float = 1e-3, weight_decay: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.cfg = cfg
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.model: GPT | None = None
+        self.val_loss = MeanMetric()
+        self.val_ppl = Perplexity()
+
+    def configure_model(self) -> None:
+        if self.model is None:  # Lightning may call this again (e.g. trainer.validate after fit)
+            self.model = GPT(self.cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.model is None:
+            raise RuntimeError("GPTLightningModule.model is not built yet; call configure_model() first")
+        return self.model(idx)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = lm_loss(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)  # (B, T, vocab)
+        self.val_loss.update(lm_loss(logits, y), weight=y.numel())
+        self.val_ppl.update(logits.float(), y)
+        self.log("val_loss", self.val_loss, prog_bar=True)
+        self.log("val_ppl", self.val_ppl, prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # One parameter group: a sharding strategy may hand us flat 1-D shards instead of the original
+        # tensors, and per-shape groups (no decay on biases) would then differ between strategies.
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=self.weight_decay)
