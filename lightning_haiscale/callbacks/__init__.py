@@ -1,3 +1,5 @@
 """Lightning callbacks over the plain-PyTorch layer."""
 
-__all__: list[str] = []
+from lightning_haiscale.callbacks.cpu_offload import CPUOffloadCallback
+
+__all__: list[str] = ["CPUOffloadCallback"]

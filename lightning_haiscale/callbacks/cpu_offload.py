@@ -1,0 +1,95 @@
+"""``CPUOffloadCallback``: activation offload around each training forward, for any LightningModule.
+
+[Note: bracketing the forward]
+The region is entered in ``on_train_batch_start`` and left in ``on_before_backward``, so it covers
+exactly the forward (``training_step`` and the loss), under automatic and manual optimization
+(``manual_backward`` calls ``on_before_backward``) and under DDP-style strategies (``hai_ddp``,
+``hai_fsdp``), whose forward runs inside ``training_step``. ``on_train_batch_end`` and
+``on_exception`` leave it too, for steps that skip backward or fail, so no hook outlives the step.
+Under manual optimization only the forward before the first ``manual_backward`` of a step is covered.
+
+Pipeline strategies run backward before ``on_before_backward``. A strategy that sets
+``brackets_activation_offload = True`` is left alone here: it finds this callback in
+``trainer.callbacks`` and wraps each microbatch's forward in ``callback.offload_context()``, a fresh
+``CPUOffload`` with the same ratio, tag and options.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_haiscale.cpu_offload import CPUOffload, check_ratio
+from lightning_haiscale.cpu_offload.stats import region_record
+
+__all__ = ["CPUOffloadCallback"]
+
+
+class CPUOffloadCallback(Callback):
+    """Offloads ``offload_ratio`` of each training forward's saved activations to host memory.
+
+    Logs ``cpu_offload/achieved_ratio`` and ``cpu_offload/bytes_offloaded`` (per step, all regions of
+    the step together) to the Trainer's loggers; ``offload_stats(callback.tag)`` has the rest.
+
+    Args:
+        offload_ratio: fraction in [0, 1]; anything else raises ``ValueError`` here, before training.
+        tag: the region's name (default: one private to this callback).
+        **offload_options: passed to ``CPUOffload`` (``min_bytes``, ``max_inflight_bytes``,
+            ``prefetch_bytes``, ``force_copy``, ``pool``).
+    """
+
+    def __init__(self, offload_ratio: float, tag: str | None = None, **offload_options: Any) -> None:
+        self.offload_ratio = check_ratio(offload_ratio)
+        self.tag = tag if tag is not None else f"CPUOffloadCallback@{id(self):x}"
+        self._options = offload_options
+        CPUOffload(self.offload_ratio, None, **offload_options)  # rejects bad options now, not mid-fit
+        self._region: CPUOffload | None = None
+        self._totals_at_start = (0, 0)
+
+    def offload_context(self) -> CPUOffload:
+        """A fresh context manager for one forward region (same ratio, tag and options)."""
+        return CPUOffload(self.offload_ratio, self.tag, **self._options)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._totals_at_start = self._totals()
+        if not getattr(trainer.strategy, "brackets_activation_offload", False):
+            self._region = self.offload_context().__enter__()
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._leave()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._leave()
+        self._log(pl_module)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        if self._region is not None:
+            region, self._region = self._region, None
+            region.__exit__(None, None, None)
+
+    def _totals(self) -> tuple[int, int]:
+        stats = region_record(self.tag).stats  # counters only: reading copy times would wait for the GPU
+        return (stats.total_bytes_saved, stats.total_bytes_offloaded)
+
+    def _log(self, pl_module: pl.LightningModule) -> None:
+        saved, offloaded = (now - before for now, before in zip(self._totals(), self._totals_at_start, strict=True))
+        if saved == 0:
+            return
+        metrics = {"cpu_offload/achieved_ratio": offloaded / saved, "cpu_offload/bytes_offloaded": float(offloaded)}
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)

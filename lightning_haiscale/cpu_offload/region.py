@@ -1,0 +1,394 @@
+"""``CPUOffload``: a region whose activations saved for backward partly live in host memory.
+
+[Note: what a saved tensor becomes]
+The pack hook sees every tensor autograd saves inside the region. It works on storage spans rather
+than tensors: the bytes of the tensor's storage (the whole storage unless the tensor covers less than
+half of it) are copied once, however many views of them are saved (``q``, ``k`` and ``v`` of one
+projection are one copy), and each view is rebuilt in backward with its own dtype, size, stride and
+offset, so backward sees exactly the layout the forward saved. A span is recognised again only while
+its storage object is alive (a weak reference), so a freed and reused address is never confused with
+an earlier tensor. Parameters, views of parameters and other leaves that require grad stay resident
+and are not counted; so are tensors on other devices (CPU tensors unless ``force_copy``) and tensors
+this layer cannot rebuild (sparse, conjugated, tensor subclasses).
+
+[Note: memory bounds]
+A copy out takes time; until it ends the device bytes cannot be freed. ``max_inflight_bytes`` bounds
+the bytes whose copy out has not finished: past it the compute stream waits for the oldest copy (on the
+device, the host never blocks), which is what turns offloading into a real reduction of peak memory
+when copies are slower than compute. In backward, copies back are prefetched in reverse save order, up
+to ``prefetch_bytes`` ahead of use, on every unpack, including unpacks of resident tensors (so the
+first offloaded tensor backward needs is already on its way while backward still uses resident ones).
+Bytes restored for a saved tensor are released when autograd releases the saved tensor; with
+``retain_graph=True`` they stay on the device until the graph is freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+from torch import nn
+
+from lightning_haiscale.cpu_offload.pool import HostBuffer, PinnedBufferPool, default_pool
+from lightning_haiscale.cpu_offload.selection import StreamingSelector, check_ratio, plan_offload
+from lightning_haiscale.cpu_offload.stats import CopyClock, OffloadStats, RegionRecord, region_record
+from lightning_haiscale.cpu_offload.transfer import CudaTransfer, HostTransfer, Transfer
+
+__all__ = ["CPUOffload"]
+
+DEFAULT_MIN_BYTES = 1 << 20  # below 1 MiB a copy is latency, not bandwidth: keep those resident
+DEFAULT_INFLIGHT_BYTES = 512 << 20
+DEFAULT_PREFETCH_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class _Options:
+    offload_ratio: float
+    min_bytes: int
+    max_inflight_bytes: int
+    prefetch_bytes: int
+    force_copy: bool
+    pool: PinnedBufferPool
+
+
+class _Stored:
+    """One storage span that was copied to host memory; shared by every saved view of it."""
+
+    __slots__ = (
+        "consumed",
+        "done",
+        "handles",
+        "host",
+        "nbytes",
+        "prefetched",
+        "restored",
+        "seq",
+        "source",
+        "transfer",
+        "written",
+    )
+
+    def __init__(self, seq: int, nbytes: int, transfer: Transfer, host: HostBuffer) -> None:
+        self.seq = seq  # save order: backward needs it in reverse
+        self.nbytes = nbytes
+        self.transfer = transfer
+        self.host: HostBuffer | None = host  # held until the bytes are back on the device
+        self.written: torch.cuda.Event | None = None  # end of the copy out
+        self.source: torch.Tensor | None = None  # device bytes, held while the copy out may read them
+        self.restored: torch.Tensor | None = None  # device bytes for backward
+        self.done: torch.cuda.Event | None = None  # end of the copy back
+        self.handles = 0  # live saved-tensor handles that point here
+        self.prefetched = False
+        self.consumed = False
+
+
+class _Resident:
+    """A saved tensor kept as is (detached: a handle must not own the tensor's graph node)."""
+
+    __slots__ = ("seq", "tensor")
+
+    def __init__(self, seq: int, tensor: torch.Tensor) -> None:
+        self.seq = seq
+        self.tensor = tensor
+
+
+class _Offloaded:
+    """A saved tensor whose bytes went to host memory: where they are and how to view them again."""
+
+    __slots__ = ("dtype", "offset", "run", "seq", "size", "stored", "stride")
+
+    def __init__(self, run: _Run, stored: _Stored, seq: int, tensor: torch.Tensor, offset: int) -> None:
+        self.run = run
+        self.stored = stored
+        self.seq = seq
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = offset  # in elements, from the start of the copied span
+
+    def __del__(self) -> None:
+        self.run.drop_handle(self.stored)
+
+
+@dataclass
+class _Seen:
+    storage: weakref.ref  # the saved span's storage: a hit is valid only while it lives
+    stored: _Stored | None  # None: kept resident
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """Parameters, leaves that require grad, and views of them: resident whatever we do."""
+    return any(x is not None and (isinstance(x, nn.Parameter) or (x.requires_grad and x.is_leaf)) for x in (t, t._base))
+
+
+def _span(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[int, int]:
+    """(first byte, byte count) to copy for ``t``: its whole storage unless it covers under half of it."""
+    item = t.element_size()
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True) if n > 0)
+    start, nbytes = t.storage_offset() * item, extent * item
+    return (0, storage.nbytes()) if 2 * nbytes >= storage.nbytes() else (start, nbytes)
+
+
+class _Run:
+    """One entry of a region: the pack and unpack hooks and everything they share."""
+
+    def __init__(self, options: _Options, record: RegionRecord) -> None:
+        self.options = options
+        self.clock = CopyClock()
+        self._lock = threading.RLock()
+        self._seq = 0
+        self._seen: dict[tuple[int, int, int], _Seen] = {}
+        self._transfers: dict[torch.device, Transfer] = {}
+        self._planned = record.candidate_sizes
+        self._plan = (
+            None if self._planned is None else plan_offload(self._planned, record.bytes_saved, options.offload_ratio)
+        )
+        self._streaming = StreamingSelector(options.offload_ratio)
+        self.sizes: list[int] = []  # candidate sizes seen, in save order: the next entry's plan
+        self.bytes_saved = self.bytes_offloaded = self.tensors_saved = self.tensors_offloaded = 0
+        self._offloaded: list[_Stored] = []
+        self._cursor = -1  # next entry of _offloaded to prefetch, walking backward
+        self._ahead_bytes = 0  # prefetched and not yet used
+        self._pending: deque[_Stored] = deque()  # copies out whose source is still held
+        self._pending_bytes = 0
+
+    # -- forward ------------------------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> _Resident | _Offloaded:
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            if not self._counts(t):
+                return _Resident(seq, t.detach())
+            storage = t.untyped_storage()
+            start, nbytes = _span(t, storage)
+            key = (storage.data_ptr(), start, nbytes)
+            seen = self._seen.get(key)
+            if seen is None or seen.storage() is not storage:
+                seen = self._seen[key] = _Seen(weakref.ref(storage), self._save(t, storage, start, nbytes, seq))
+            if seen.stored is None:
+                return _Resident(seq, t.detach())
+            seen.stored.handles += 1
+            return _Offloaded(self, seen.stored, seq, t, t.storage_offset() - start // t.element_size())
+
+    def _counts(self, t: torch.Tensor) -> bool:
+        if _is_parameter(t) or type(t) is not torch.Tensor or t.layout != torch.strided:
+            return False
+        if t.numel() == 0 or t.is_conj() or t.is_neg():
+            return False
+        return t.is_cuda or (self.options.force_copy and t.device.type == "cpu")
+
+    def _save(
+        self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int, seq: int
+    ) -> _Stored | None:
+        """Counts a new span and offloads it if the selection says so."""
+        self.bytes_saved += nbytes
+        self.tensors_saved += 1
+        if nbytes < self.options.min_bytes or not self._choose(len(self.sizes), nbytes):
+            return None
+        source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, start, (nbytes,), (1,))
+        transfer = self._transfer(t.device)
+        stored = _Stored(seq, nbytes, transfer, self.options.pool.acquire(nbytes, pin=t.is_cuda))
+        stored.written = transfer.to_host(source, stored.host)
+        self._offloaded.append(stored)
+        self._cursor = len(self._offloaded) - 1
+        self.bytes_offloaded += nbytes
+        self.tensors_offloaded += 1
+        if stored.written is not None:
+            stored.source = source
+            self._pending.append(stored)
+            self._pending_bytes += nbytes
+            self._throttle()
+        return stored
+
+    def _choose(self, index: int, nbytes: int) -> bool:
+        """Follows the plan while the region saves what was measured, then the streaming rule."""
+        self.sizes.append(nbytes)
+        if self._plan is not None and index < len(self._plan) and self._planned[index] == nbytes:
+            take = self._plan[index]
+            self._streaming.offloaded += nbytes if take else 0
+            return take
+        self._plan = None
+        return self._streaming.take(nbytes, self.bytes_saved)
+
+    def _transfer(self, device: torch.device) -> Transfer:
+        if device not in self._transfers:
+            kind = CudaTransfer if device.type == "cuda" else HostTransfer
+            self._transfers[device] = kind(device, self.clock)
+        return self._transfers[device]
+
+    def _throttle(self) -> None:
+        """Keeps at most ``max_inflight_bytes`` of device bytes waiting for their copy out."""
+        self._poll()
+        while self._pending_bytes > self.options.max_inflight_bytes:
+            stored = self._pending.popleft()
+            if stored.source is not None:
+                stored.transfer.wait(stored.written)
+                self._retire(stored, read=True)
+
+    def _poll(self) -> None:
+        """Drops the sources of finished copies out (they complete in order on one stream)."""
+        while self._pending:
+            stored = self._pending[0]
+            if stored.source is not None and not stored.written.query():
+                return
+            self._pending.popleft()
+            self._retire(stored, read=True)
+
+    def _retire(self, stored: _Stored, read: bool = False) -> None:
+        """Drops the reference to the device bytes; unless ``read``, first protects a copy still reading them."""
+        if stored.source is None:
+            return
+        if not read and not stored.written.query():
+            stored.transfer.keep_until_read(stored.source)
+        stored.source = None
+        self._pending_bytes -= stored.nbytes
+
+    def finish(self, record: RegionRecord) -> None:
+        """Ends the forward: the measurement becomes the next entry's plan; statistics are recorded."""
+        with self._lock:
+            self._seen.clear()
+            record.candidate_sizes, record.bytes_saved = self.sizes, self.bytes_saved
+            record.clock = self.clock
+            stats = record.stats
+            stats.entries += 1
+            stats.bytes_saved, stats.bytes_offloaded = self.bytes_saved, self.bytes_offloaded
+            stats.tensors_saved, stats.tensors_offloaded = self.tensors_saved, self.tensors_offloaded
+            stats.total_bytes_saved += self.bytes_saved
+            stats.total_bytes_offloaded += self.bytes_offloaded
+
+    # -- backward -----------------------------------------------------------------------------------
+
+    def unpack(self, handle: _Resident | _Offloaded) -> torch.Tensor:
+        with self._lock:
+            self._poll()
+            self._prefetch(handle.seq)
+            if isinstance(handle, _Resident):
+                return handle.tensor
+            stored = handle.stored
+            if stored.restored is None:
+                self._restore(stored)
+            if not stored.consumed:
+                stored.consumed = True
+                self._ahead_bytes -= stored.nbytes if stored.prefetched else 0
+            data, done = stored.restored, stored.done
+        stored.transfer.before_use(data, done)
+        view = torch.empty(0, dtype=handle.dtype, device=data.device)
+        return view.set_(data.untyped_storage(), handle.offset, handle.size, handle.stride)
+
+    def _prefetch(self, seq: int) -> None:
+        """Starts copies back of the offloaded spans saved before ``seq`` (needed next), within the window."""
+        while self._cursor >= 0 and self._ahead_bytes < self.options.prefetch_bytes:
+            stored = self._offloaded[self._cursor]
+            self._cursor -= 1
+            if stored.seq < seq and stored.handles and stored.restored is None:
+                self._restore(stored)
+                stored.prefetched = True
+                self._ahead_bytes += stored.nbytes
+
+    def _restore(self, stored: _Stored) -> None:
+        if stored.source is not None:  # the copy out is not retired: the device bytes are still here
+            stored.restored = stored.source
+            return
+        stored.restored, stored.done = stored.transfer.to_device(stored.host, stored.written)
+        self.options.pool.release(stored.host, stored.done)
+        stored.host = None
+
+    def drop_handle(self, stored: _Stored) -> None:
+        """A saved tensor was released by autograd; the last one releases the span's memory."""
+        with self._lock:
+            stored.handles -= 1
+            if stored.handles:
+                return
+            self._retire(stored)
+            if stored.host is not None:
+                self.options.pool.release(stored.host, stored.written)
+                stored.host = None
+            stored.restored = None
+            if stored.prefetched and not stored.consumed:
+                self._ahead_bytes -= stored.nbytes
+
+
+class CPUOffload:
+    """Offloads ``offload_ratio`` of the bytes saved for backward inside the region to host memory.
+
+    >>> with CPUOffload(offload_ratio=0.3, tag="MyModel"):
+    ...     out = model(x)
+    >>> loss_fn(out, y).backward()
+
+    The first entry of a ``tag`` measures the region (offloading with an online rule meanwhile); later
+    entries follow a plan made from the previous entry's measurement: as close to the ratio as tensor
+    sizes allow, favoring the tensors saved first. Without a tag, the measurement lives in this
+    object, so reuse one object across steps. Statistics: ``offload_stats(tag)`` or ``.stats()``.
+
+    Args:
+        offload_ratio: fraction in [0, 1] of the saved bytes to move to host memory.
+        tag: names the region; its measurement and statistics persist across entries and objects.
+        min_bytes: tensors smaller than this stay resident (they still count as saved bytes).
+        max_inflight_bytes: device bytes allowed to wait for their copy out before compute waits.
+        prefetch_bytes: how far copies back may run ahead of backward's use.
+        force_copy: also offload CPU tensors (copied to host buffers and back); by default CPU tensors
+            are left alone. Meant for testing the mechanism without a GPU.
+        pool: host buffers to use (default: the process-wide ``default_pool()``).
+    """
+
+    def __init__(
+        self,
+        offload_ratio: float,
+        tag: str | None = None,
+        *,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
+        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        force_copy: bool = False,
+        pool: PinnedBufferPool | None = None,
+    ) -> None:
+        sizes = {"min_bytes": min_bytes, "max_inflight_bytes": max_inflight_bytes, "prefetch_bytes": prefetch_bytes}
+        for name, value in sizes.items():
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0 (bytes)")
+        self.offload_ratio = check_ratio(offload_ratio)
+        self.tag = tag
+        pool = pool if pool is not None else default_pool()
+        self._options = _Options(self.offload_ratio, min_bytes, max_inflight_bytes, prefetch_bytes, force_copy, pool)
+        self._record = region_record(tag) if tag is not None else RegionRecord(None)
+        self._run: _Run | None = None
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def __enter__(self) -> CPUOffload:
+        if self._record.active:
+            raise RuntimeError(
+                f"CPUOffload region tag={self.tag!r} is already active; nested regions need distinct tags"
+            )
+        self._run = _Run(self._options, self._record)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._run.pack, self._run.unpack)
+        self._hooks.__enter__()
+        self._record.active = True
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._hooks is None or self._run is None:
+            raise RuntimeError("CPUOffload.__exit__ without a matching __enter__")
+        hooks, run = self._hooks, self._run
+        self._hooks = self._run = None
+        hooks.__exit__(exc_type, exc, tb)
+        self._record.active = False
+        run.finish(self._record)
+
+    @property
+    def active(self) -> bool:
+        """Whether the region's hooks are installed."""
+        return self._hooks is not None
+
+    def stats(self) -> OffloadStats:
+        """This region's statistics (the same as ``offload_stats(tag)`` for a tagged region)."""
+        return self._record.snapshot()
+
+    def __repr__(self) -> str:
+        return f"CPUOffload(offload_ratio={self.offload_ratio}, tag={self.tag!r})"

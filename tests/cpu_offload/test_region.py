@@ -1,0 +1,195 @@
+"""``CPUOffload`` with the copy path forced on CPU tensors, against runs without offload.
+
+Reference: the same model, data and seed without any region. Tolerance: none; offload moves bytes and
+rebuilds every saved view with its own layout, so gradients must be bitwise equal.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from examples.gpt.model import GPT, config, lm_loss
+from lightning_haiscale.cpu_offload import CPUOffload, offload_stats, reset_offload_stats
+
+_TAGS = itertools.count()
+
+
+def _tag() -> str:
+    return f"test-region-{next(_TAGS)}"
+
+
+def _hooks_top():
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    model = GPT(config("tiny", n_layer=2))
+    idx = torch.randint(0, 256, (2, 64))
+    return model, idx, torch.roll(idx, -1, dims=1)
+
+
+def _grads(model, idx, targets, region=None, ckpt=False):
+    model.zero_grad(set_to_none=True)
+
+    def forward():
+        h = idx
+        for layer in model:
+            h = checkpoint(layer, h, use_reentrant=False) if ckpt and layer is not model[0] else layer(h)
+        return lm_loss(h, targets)
+
+    if region is None:
+        loss = forward()
+    else:
+        with region:
+            loss = forward()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_bitwise_equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w), (g - w).abs().max()
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.3, 0.5, 1.0])
+def test_gradients_bitwise_equal_and_ratio_within_one_tensor(gpt, ratio):
+    model, idx, targets = gpt
+    want = _grads(model, idx, targets)
+    tag = _tag()
+    for entry in range(2):  # the first entry measures, the second follows the plan
+        got = _grads(model, idx, targets, CPUOffload(ratio, tag, min_bytes=0, force_copy=True))
+        _assert_bitwise_equal(got, want)
+        stats = offload_stats(tag)
+        assert stats.entries == entry + 1 and stats.bytes_saved > 0
+    largest = model[1].mlp.c_fc.out_features * idx.numel() * 4  # a (B, T, 4C) fp32 activation
+    assert abs(stats.bytes_offloaded - ratio * stats.bytes_saved) <= largest
+    assert (stats.bytes_offloaded == 0) == (ratio == 0)
+    assert (stats.bytes_offloaded == stats.bytes_saved) == (ratio == 1)
+    assert stats.copy_seconds >= 0
+
+
+def test_saved_twice_is_copied_once_and_parameters_do_not_count():
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(32, 64)
+    with CPUOffload(1.0, min_bytes=0, force_copy=True) as region:
+        y = (x @ w).relu()  # saves x (w is a leaf that requires grad: resident) and relu's result y
+        loss = (y * y).sum()  # saves y twice more
+    stats = region.stats()
+    assert stats.tensors_saved == 2 and stats.tensors_offloaded == 2
+    assert stats.bytes_saved == 2 * x.numel() * 4
+    loss.backward()
+    want = w.grad.clone()
+    w.grad = None
+    ((x @ w).relu() ** 2).sum().backward()
+    assert torch.equal(w.grad, want)
+
+
+def test_no_hook_outside_the_region(gpt):
+    model, idx, targets = gpt
+    assert _hooks_top() is None
+    region = CPUOffload(0.5, _tag(), min_bytes=0, force_copy=True)
+    with region:
+        assert _hooks_top() is not None
+        loss = lm_loss(model(idx), targets)
+    assert _hooks_top() is None
+    before = region.stats()
+    lm_loss(model(idx), targets).backward()  # saved outside: nothing packed, nothing counted
+    loss.backward()
+    after = region.stats()
+    assert (after.entries, after.total_bytes_saved) == (before.entries, before.total_bytes_saved)
+
+
+def test_region_leaves_on_exception():
+    with pytest.raises(ZeroDivisionError), CPUOffload(0.5, force_copy=True):
+        raise ZeroDivisionError
+    assert _hooks_top() is None
+
+
+def test_cpu_tensors_untouched_by_default(gpt):
+    model, idx, targets = gpt
+    with CPUOffload(1.0, min_bytes=0) as region:
+        lm_loss(model(idx), targets)
+    assert region.stats().bytes_saved == 0
+
+
+def test_composes_with_checkpointing(gpt):
+    model, idx, targets = gpt
+    want = _grads(model, idx, targets, ckpt=True)
+    region = CPUOffload(1.0, min_bytes=0, force_copy=True)
+    _assert_bitwise_equal(_grads(model, idx, targets, region, ckpt=True), want)
+    assert region.stats().bytes_offloaded > 0  # the checkpoints' inputs and the head's activations
+
+
+def test_nested_regions_and_tags_account_separately(gpt):
+    model, idx, targets = gpt
+    want = _grads(model, idx, targets)
+    model.zero_grad(set_to_none=True)
+    outer, inner = _tag(), _tag()
+    with CPUOffload(1.0, outer, min_bytes=0, force_copy=True):
+        h = model[0](idx)
+        with CPUOffload(0.0, inner, min_bytes=0, force_copy=True):
+            h = model[1](h)
+        for layer in list(model)[2:]:
+            h = layer(h)
+        loss = lm_loss(h, targets)
+    loss.backward()
+    _assert_bitwise_equal([p.grad for p in model.parameters()], want)
+    assert offload_stats(outer).achieved_ratio == 1.0
+    assert offload_stats(inner).bytes_saved > 0 and offload_stats(inner).bytes_offloaded == 0
+    with CPUOffload(0.5, outer, force_copy=True), pytest.raises(RuntimeError, match="already active"):
+        CPUOffload(0.5, outer).__enter__()
+    reset_offload_stats(outer)
+    with pytest.raises(KeyError, match=outer):
+        offload_stats(outer)
+
+
+def test_plan_follows_a_change_of_shapes(gpt):
+    model, idx, targets = gpt
+    tag = _tag()
+    for length in (64, 32, 32):
+        want = _grads(model, idx[:, :length], targets[:, :length])
+        got = _grads(model, idx[:, :length], targets[:, :length], CPUOffload(0.5, tag, min_bytes=0, force_copy=True))
+        _assert_bitwise_equal(got, want)
+        assert abs(offload_stats(tag).achieved_ratio - 0.5) < 0.1
+
+
+def test_retain_graph_backward_twice(gpt):
+    model, idx, targets = gpt
+    model.zero_grad(set_to_none=True)
+    lm_loss(model(idx), targets).backward()
+    want = [2 * p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with CPUOffload(0.5, min_bytes=0, force_copy=True, prefetch_bytes=0):
+        loss = lm_loss(model(idx), targets)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    _assert_bitwise_equal([p.grad for p in model.parameters()], want)  # g + g == 2 * g exactly
+
+
+@pytest.mark.parametrize("name", ["min_bytes", "max_inflight_bytes", "prefetch_bytes"])
+def test_bad_sizes_name_the_parameter(name):
+    with pytest.raises(ValueError, match=name):
+        CPUOffload(0.5, **{name: -1})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ratio", [0.3, 1.0])
+def test_cuda_gradients_bitwise_equal(ratio):
+    torch.manual_seed(0)
+    model = GPT(config("tiny")).cuda()
+    idx = torch.randint(0, 256, (4, 256), device="cuda")
+    targets = torch.roll(idx, -1, dims=1)
+    want = _grads(model, idx, targets)
+    tag = _tag()
+    for _ in range(3):  # small windows: forces throttling, prefetch and buffer reuse
+        region = CPUOffload(ratio, tag, min_bytes=0, max_inflight_bytes=1 << 20, prefetch_bytes=1 << 20)
+        _assert_bitwise_equal(_grads(model, idx, targets, region), want)
+    assert offload_stats(tag).bytes_offloaded > 0
