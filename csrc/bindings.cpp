@@ -97,34 +97,53 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("local_rank", &Communicator::local_rank)
       .def_property_readonly("local_size", &Communicator::local_size)
       .def("all_reduce",
-           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count, int32_t dtype, double divisor) {
+           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count, int32_t dtype, double divisor,
+              bool blocking) {
              const DType dt = hfreduce::dtype_from_code(dtype);
+             const double div = checked_divisor(dt, divisor);
+             py::gil_scoped_release release;
              return c.all_reduce(as_ptr(src, count, "input"), const_cast<void*>(as_ptr(dst, count, "output")), count,
-                                 dt, checked_divisor(dt, divisor));
-           })
+                                 dt, div, blocking);
+           },
+           py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("divisor"),
+           py::arg("blocking") = false)
       .def("all_reduce_buffer",
            [](Communicator& c, std::shared_ptr<SharedBuffer> buffer, size_t offset, size_t count, int32_t dtype,
-              double divisor) {
+              double divisor, bool blocking) {
              const DType dt = hfreduce::dtype_from_code(dtype);
-             return c.all_reduce_buffer(std::move(buffer), offset, count, dt, checked_divisor(dt, divisor));
-           })
+             const double div = checked_divisor(dt, divisor);
+             py::gil_scoped_release release;
+             return c.all_reduce_buffer(std::move(buffer), offset, count, dt, div, blocking);
+           },
+           py::arg("buffer"), py::arg("offset"), py::arg("count"), py::arg("dtype"), py::arg("divisor"),
+           py::arg("blocking") = false)
       .def("reduce_scatter",
-           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count_per_rank, int32_t dtype, double divisor) {
+           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count_per_rank, int32_t dtype, double divisor,
+              bool blocking) {
              const DType dt = hfreduce::dtype_from_code(dtype);
+             const double div = checked_divisor(dt, divisor);
+             py::gil_scoped_release release;
              return c.reduce_scatter(as_ptr(src, count_per_rank, "input"),
-                                     const_cast<void*>(as_ptr(dst, count_per_rank, "output")), count_per_rank, dt,
-                                     checked_divisor(dt, divisor));
-           })
+                                     const_cast<void*>(as_ptr(dst, count_per_rank, "output")), count_per_rank, dt, div,
+                                     blocking);
+           },
+           py::arg("src"), py::arg("dst"), py::arg("count_per_rank"), py::arg("dtype"), py::arg("divisor"),
+           py::arg("blocking") = false)
       .def("all_gather",
-           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count_per_rank, int32_t dtype) {
+           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count_per_rank, int32_t dtype, bool blocking) {
+             const DType dt = hfreduce::dtype_from_code(dtype);
+             py::gil_scoped_release release;
              return c.all_gather(as_ptr(src, count_per_rank, "input"),
-                                 const_cast<void*>(as_ptr(dst, count_per_rank, "output")), count_per_rank,
-                                 hfreduce::dtype_from_code(dtype));
-           })
+                                 const_cast<void*>(as_ptr(dst, count_per_rank, "output")), count_per_rank, dt,
+                                 blocking);
+           },
+           py::arg("src"), py::arg("dst"), py::arg("count_per_rank"), py::arg("dtype"), py::arg("blocking") = false)
       .def("broadcast",
-           [](Communicator& c, uintptr_t buffer, size_t count, int32_t dtype, int root) {
-             return c.broadcast(const_cast<void*>(as_ptr(buffer, count, "tensor")), count,
-                                hfreduce::dtype_from_code(dtype), root);
-           })
-      .def("barrier", &Communicator::barrier);
+           [](Communicator& c, uintptr_t buffer, size_t count, int32_t dtype, int root, bool blocking) {
+             const DType dt = hfreduce::dtype_from_code(dtype);
+             py::gil_scoped_release release;
+             return c.broadcast(const_cast<void*>(as_ptr(buffer, count, "tensor")), count, dt, root, blocking);
+           },
+           py::arg("buffer"), py::arg("count"), py::arg("dtype"), py::arg("root"), py::arg("blocking") = false)
+      .def("barrier", &Communicator::barrier, py::arg("blocking") = false, py::call_guard<py::gil_scoped_release>());
 }

@@ -40,7 +40,7 @@ namespace hfreduce {
 // Chunks are staged in two sets of per-rank slots and the sets alternate. A rank writes set s again two
 // chunks later, only after passing a barrier of the chunk in between, which every peer reaches only
 // after it finished reading set s. So one barrier per chunk suffices for copy-in/reduce-all ops, and
-// two for reduce-scatter style all-reduce (copy in | barrier | reduce own slice | barrier | copy out).
+// two for reduce-scatter style all-reduce (stage | barrier | reduce own slice | barrier | copy out).
 
 namespace {
 constexpr uint64_t kMagic = 0x6866726564756365ULL;  // "hfreduce"
@@ -200,52 +200,66 @@ void Communicator::wait_attached() {
 void Communicator::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && !worker_.joinable()) return;
     stopping_ = true;
   }
   cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
 }
 
-std::shared_ptr<Work> Communicator::submit(std::function<void()> body) {
+std::shared_ptr<Work> Communicator::submit(std::function<void()> body, bool blocking) {
   auto work = std::make_shared<Work>();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) {
-      work->finish(ErrorKind::kOther, "hfreduce: the communicator was stopped", {});
-      return work;
-    }
-    queue_.emplace_back(std::move(body), work);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stopping_) {
+    work->finish(ErrorKind::kOther, "hfreduce: the communicator was stopped", {});
+    return work;
   }
-  cv_.notify_one();
+  if (!blocking) {
+    queue_.emplace_back(std::move(body), work);
+    lock.unlock();
+    cv_.notify_all();
+    return work;
+  }
+  cv_.wait(lock, [this] { return queue_.empty() && !busy_; });  // earlier collectives go first
+  busy_ = true;
+  lock.unlock();
+  execute(body, *work);
+  lock.lock();
+  busy_ = false;
+  lock.unlock();
+  cv_.notify_all();
   return work;
 }
 
+void Communicator::execute(const std::function<void()>& body, Work& work) {
+  if (!broken_.empty()) {
+    work.finish(ErrorKind::kOther, "hfreduce: communicator unusable after an earlier failure: " + broken_, {});
+    return;
+  }
+  try {
+    body();
+    work.finish(ErrorKind::kNone, "", {});
+  } catch (const PeerFailure& failure) {
+    broken_ = failure.message;
+    work.finish(failure.kind, failure.message, failure.ranks);
+  } catch (const std::exception& e) {
+    broken_ = e.what();
+    work.finish(ErrorKind::kOther, e.what(), {});
+  }
+}
+
 void Communicator::worker_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    std::pair<std::function<void()>, std::shared_ptr<Work>> item;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      item = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    if (!broken_.empty()) {
-      item.second->finish(ErrorKind::kOther, "hfreduce: communicator unusable after an earlier failure: " + broken_,
-                          {});
-      continue;
-    }
-    try {
-      item.first();
-      item.second->finish(ErrorKind::kNone, "", {});
-    } catch (const PeerFailure& failure) {
-      broken_ = failure.message;
-      item.second->finish(failure.kind, failure.message, failure.ranks);
-    } catch (const std::exception& e) {
-      broken_ = e.what();
-      item.second->finish(ErrorKind::kOther, e.what(), {});
-    }
+    cv_.wait(lock, [this] { return (stopping_ && !busy_) || (!queue_.empty() && !busy_); });
+    if (queue_.empty()) return;
+    auto item = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    execute(item.first, *item.second);
+    lock.lock();
+    busy_ = false;
+    cv_.notify_all();
   }
 }
 
@@ -311,39 +325,46 @@ int Communicator::next_set() {
 // ------------------------------------------------------------------------------------- collectives
 
 std::shared_ptr<Work> Communicator::all_reduce(const void* src, void* dst, size_t count, DType dtype,
-                                               double divisor) {
-  return submit([=] { run_all_reduce(static_cast<const char*>(src), static_cast<char*>(dst), count, dtype, divisor); });
+                                               double divisor, bool blocking) {
+  return submit([=] { run_all_reduce(static_cast<const char*>(src), static_cast<char*>(dst), count, dtype, divisor); },
+                blocking);
 }
 
 std::shared_ptr<Work> Communicator::all_reduce_buffer(std::shared_ptr<SharedBuffer> buffer, size_t offset_bytes,
-                                                      size_t count, DType dtype, double divisor) {
+                                                      size_t count, DType dtype, double divisor, bool blocking) {
   if (offset_bytes + count * element_size(dtype) > buffer->region_bytes()) {
     throw std::invalid_argument("hfreduce: all_reduce_buffer range exceeds the buffer");
   }
-  return submit([=] { run_all_reduce_buffer(*buffer, offset_bytes, count, dtype, divisor); });
+  return submit([=] { run_all_reduce_buffer(*buffer, offset_bytes, count, dtype, divisor); }, blocking);
 }
 
 std::shared_ptr<Work> Communicator::reduce_scatter(const void* src, void* dst, size_t count_per_rank, DType dtype,
-                                                   double divisor) {
-  return submit([=] {
-    run_reduce_scatter(static_cast<const char*>(src), static_cast<char*>(dst), count_per_rank, dtype, divisor);
-  });
+                                                   double divisor, bool blocking) {
+  return submit(
+      [=] { run_reduce_scatter(static_cast<const char*>(src), static_cast<char*>(dst), count_per_rank, dtype, divisor); },
+      blocking);
 }
 
-std::shared_ptr<Work> Communicator::all_gather(const void* src, void* dst, size_t count_per_rank, DType dtype) {
-  return submit([=] { run_all_gather(static_cast<const char*>(src), static_cast<char*>(dst), count_per_rank, dtype); });
+std::shared_ptr<Work> Communicator::all_gather(const void* src, void* dst, size_t count_per_rank, DType dtype,
+                                               bool blocking) {
+  return submit([=] { run_all_gather(static_cast<const char*>(src), static_cast<char*>(dst), count_per_rank, dtype); },
+                blocking);
 }
 
-std::shared_ptr<Work> Communicator::broadcast(void* buffer, size_t count, DType dtype, int root) {
+std::shared_ptr<Work> Communicator::broadcast(void* buffer, size_t count, DType dtype, int root, bool blocking) {
   if (root < 0 || root >= config_.local_size) throw std::invalid_argument("hfreduce: broadcast root out of range");
-  return submit([=] { run_broadcast(static_cast<char*>(buffer), count, dtype, root); });
+  return submit([=] { run_broadcast(static_cast<char*>(buffer), count, dtype, root); }, blocking);
 }
 
-std::shared_ptr<Work> Communicator::barrier() {
-  return submit([this] { arrive_and_wait(); });
+std::shared_ptr<Work> Communicator::barrier(bool blocking) {
+  return submit([this] { arrive_and_wait(); }, blocking);
 }
 
 void Communicator::run_all_reduce(const char* src, char* dst, size_t count, DType dtype, double divisor) {
+  // [Note: all-reduce of an ordinary tensor] per chunk: each rank stages only the slices the others
+  // reduce | barrier | reduces its own slice straight from `src` and the peers' staging, into `dst`
+  // and its staging | barrier | copies the peers' reduced slices out. Chunks below kSmallChunkBytes
+  // skip the second barrier: everyone stages everything and reduces the whole chunk.
   const size_t es = element_size(dtype);
   const size_t chunk = config_.slot_bytes / es;
   const int ranks = config_.local_size;
@@ -352,21 +373,32 @@ void Communicator::run_all_reduce(const char* src, char* dst, size_t count, DTyp
   for (size_t off = 0; off < count; off += chunk) {
     const size_t n = std::min(chunk, count - off);
     const int set = next_set();
-    char* mine = staging(set, me);
-    std::memcpy(mine, src + off * es, n * es);
-    arrive_and_wait();
+    const char* in = src + off * es;
+    char* out = dst + off * es;
     if (n * es <= kSmallChunkBytes || ranks == 1) {
+      std::memcpy(staging(set, me), in, n * es);
+      arrive_and_wait();
       for (int k = 0; k < ranks; ++k) srcs[k] = staging(set, k);
-      reduce(dtype, dst + off * es, srcs.data(), ranks, n, divisor);
+      reduce(dtype, out, srcs.data(), ranks, n, divisor);
       continue;
     }
+    for (int k = 0; k < ranks; ++k) {
+      const auto [b, e] = slice(n, ranks, k, es);
+      if (k != me) std::memcpy(staging(set, me) + b * es, in + b * es, (e - b) * es);
+    }
+    arrive_and_wait();
     const auto [begin, end] = slice(n, ranks, me, es);
-    for (int k = 0; k < ranks; ++k) srcs[k] = staging(set, k) + begin * es;
-    reduce(dtype, mine + begin * es, srcs.data(), ranks, end - begin, divisor);
+    const size_t block = std::max<size_t>(1, kBufferBlockBytes / es);
+    for (size_t b = begin; b < end; b += block) {
+      const size_t len = std::min(block, end - b);
+      for (int k = 0; k < ranks; ++k) srcs[k] = (k == me ? in : staging(set, k)) + b * es;
+      reduce(dtype, out + b * es, srcs.data(), ranks, len, divisor);
+      std::memcpy(staging(set, me) + b * es, out + b * es, len * es);
+    }
     arrive_and_wait();
     for (int k = 0; k < ranks; ++k) {
       const auto [b, e] = slice(n, ranks, k, es);
-      std::memcpy(dst + (off + b) * es, staging(set, k) + b * es, (e - b) * es);
+      if (k != me) std::memcpy(out + b * es, staging(set, k) + b * es, (e - b) * es);
     }
   }
 }

@@ -84,16 +84,20 @@ class Communicator {
   // Collective: returns once every local rank has mapped the segment; the creator then unlinks it.
   void wait_attached();
 
-  // Asynchronous collectives, run in submission order on the worker thread. Every local rank must
-  // submit the same sequence. Pointers must stay valid until the Work completes.
-  std::shared_ptr<Work> all_reduce(const void* src, void* dst, size_t count, DType dtype, double divisor);
+  // Collectives, run in submission order. Every local rank must submit the same sequence. With
+  // blocking=false they are queued for the worker thread and pointers must stay valid until the Work
+  // completes; with blocking=true they run on the calling thread once earlier work is done (no thread
+  // hand-off: this is what makes a small synchronous all-reduce take microseconds).
+  std::shared_ptr<Work> all_reduce(const void* src, void* dst, size_t count, DType dtype, double divisor,
+                                   bool blocking);
   std::shared_ptr<Work> all_reduce_buffer(std::shared_ptr<SharedBuffer> buffer, size_t offset_bytes,
-                                          size_t count, DType dtype, double divisor);
+                                          size_t count, DType dtype, double divisor, bool blocking);
   std::shared_ptr<Work> reduce_scatter(const void* src, void* dst, size_t count_per_rank, DType dtype,
-                                       double divisor);
-  std::shared_ptr<Work> all_gather(const void* src, void* dst, size_t count_per_rank, DType dtype);
-  std::shared_ptr<Work> broadcast(void* buffer, size_t count, DType dtype, int root);
-  std::shared_ptr<Work> barrier();
+                                       double divisor, bool blocking);
+  std::shared_ptr<Work> all_gather(const void* src, void* dst, size_t count_per_rank, DType dtype,
+                                   bool blocking);
+  std::shared_ptr<Work> broadcast(void* buffer, size_t count, DType dtype, int root, bool blocking);
+  std::shared_ptr<Work> barrier(bool blocking);
 
   // Finishes queued work, then stops the worker thread. Idempotent; later submissions fail.
   void stop();
@@ -104,7 +108,8 @@ class Communicator {
  private:
   struct PeerFailure;
 
-  std::shared_ptr<Work> submit(std::function<void()> body);
+  std::shared_ptr<Work> submit(std::function<void()> body, bool blocking);
+  void execute(const std::function<void()>& body, Work& work);
   void worker_loop();
   void arrive_and_wait();
   void wait_for_peer(int peer, uint32_t generation);
@@ -130,6 +135,7 @@ class Communicator {
   std::condition_variable cv_;
   std::deque<std::pair<std::function<void()>, std::shared_ptr<Work>>> queue_;
   bool stopping_ = false;
+  bool busy_ = false;   // a collective is running (on the worker or inline); guarded by mu_
   std::string broken_;  // first failure; every later collective fails with it
   std::thread worker_;
 };

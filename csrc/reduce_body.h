@@ -24,27 +24,25 @@ void sum_in_fp32(T* dst, const T* const* srcs, int n, size_t count, float diviso
   }
 }
 
-// Doubles and integers: plain loops that the compiler vectorizes for this ISA.
+// Doubles and integers: plain loops that the compiler vectorizes for this ISA. Sums go through a
+// block on the stack because `dst` may alias any source (a rank reduces into its own staging slot).
 template <class T>
 void sum_plain(T* dst, const T* const* srcs, int n, size_t count, double divisor) {
-  constexpr size_t kBlock = 2048;  // keeps dst in L1 while the sources stream through
+  constexpr size_t kBlock = 1024;
+  T acc[kBlock];
   for (size_t b = 0; b < count; b += kBlock) {
-    const size_t e = b + kBlock < count ? b + kBlock : count;
-    const T* s0 = srcs[0];
-    const T* s1 = n > 1 ? srcs[1] : srcs[0];
-    if (n > 1) {
-      for (size_t i = b; i < e; ++i) dst[i] = s0[i] + s1[i];
-    } else if (dst != s0) {
-      for (size_t i = b; i < e; ++i) dst[i] = s0[i];
-    }
-    for (int k = 2; k < n; ++k) {
-      const T* s = srcs[k];
-      for (size_t i = b; i < e; ++i) dst[i] += s[i];
+    const size_t len = b + kBlock < count ? kBlock : count - b;
+    const T* s0 = srcs[0] + b;
+    for (size_t i = 0; i < len; ++i) acc[i] = s0[i];
+    for (int k = 1; k < n; ++k) {
+      const T* s = srcs[k] + b;
+      for (size_t i = 0; i < len; ++i) acc[i] += s[i];
     }
     if (divisor != 1.0) {
       const T d = static_cast<T>(divisor);
-      for (size_t i = b; i < e; ++i) dst[i] /= d;
+      for (size_t i = 0; i < len; ++i) acc[i] /= d;
     }
+    for (size_t i = 0; i < len; ++i) dst[b + i] = acc[i];
   }
 }
 

@@ -7,7 +7,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -66,11 +66,13 @@ def run_distributed(
     *args: Any,
     node_ids: Sequence[str] | None = None,
     timeout: float = 180.0,
+    may_die: Collection[int] = (),
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; returns results by rank.
 
     ``node_ids[r]`` simulates rank r's host (sets ``HFREDUCE_NODE_ID``). Any rank's exception is raised
     here with its traceback; a run past ``timeout`` seconds is killed and raises ``TimeoutError``.
+    Ranks in ``may_die`` may exit without a result (tests that kill a peer); theirs is ``None``.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -89,6 +91,9 @@ def run_distributed(
     outcome: dict[int, tuple[bool, Any]] = {}
     try:
         while len(outcome) < world_size:
+            for r in may_die:
+                if r not in outcome and procs[r].exitcode is not None:
+                    outcome[r] = (True, None)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(
@@ -97,8 +102,8 @@ def run_distributed(
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcome]
-                if dead and all(not p.is_alive() for p in procs):
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in outcome]
+                if dead and set(dead) - set(may_die) and all(p.exitcode is not None for p in procs):
                     raise RuntimeError(f"ranks {dead} exited without a result") from None
                 continue
             outcome[rank] = (ok, value)

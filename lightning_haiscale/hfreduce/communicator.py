@@ -50,6 +50,9 @@ _DTYPE_CODES = {
     torch.int64: 5,
 }
 _ERROR_TIMEOUT, _ERROR_PEER_DIED = 1, 2
+# torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old names.
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _SPIN_ITERS = 2000  # ~50-100 µs of busy-waiting before sleeping, only when every rank has a core
 
 
@@ -190,9 +193,9 @@ class Communicator:
             code, n = _DTYPE_CODES[tensor.dtype], tensor.numel()
             if buffer is not None:
                 offset = tensor.data_ptr() - buffer.start
-                native = self._native.all_reduce_buffer(buffer.shared, offset, n, code, divisor)
+                native = self._native.all_reduce_buffer(buffer.shared, offset, n, code, divisor, not async_op)
             else:
-                native = self._native.all_reduce(tensor.data_ptr(), tensor.data_ptr(), n, code, divisor)
+                native = self._native.all_reduce(tensor.data_ptr(), tensor.data_ptr(), n, code, divisor, not async_op)
             return self._finish(Work(self, native=native, keepalive=(tensor,)), async_op)
         return self._finish(self._threaded(self._all_reduce_job, tensor, divisor), async_op)
 
@@ -206,7 +209,7 @@ class Communicator:
         divisor = self._divisor(op, input.dtype)
         if self._direct(output, input):
             native = self._native.reduce_scatter(
-                input.data_ptr(), output.data_ptr(), output.numel(), _DTYPE_CODES[input.dtype], divisor
+                input.data_ptr(), output.data_ptr(), output.numel(), _DTYPE_CODES[input.dtype], divisor, not async_op
             )
             return self._finish(Work(self, native=native, keepalive=(output, input)), async_op)
         return self._finish(self._threaded(self._reduce_scatter_job, output, input, divisor), async_op)
@@ -218,7 +221,7 @@ class Communicator:
         _check_pair(input, output, self.world_size, "all_gather")
         if self._direct(output, input):
             native = self._native.all_gather(
-                input.data_ptr(), output.data_ptr(), input.numel(), _DTYPE_CODES[input.dtype]
+                input.data_ptr(), output.data_ptr(), input.numel(), _DTYPE_CODES[input.dtype], not async_op
             )
             return self._finish(Work(self, native=native, keepalive=(output, input)), async_op)
         return self._finish(self._threaded(self._all_gather_job, output, input), async_op)
@@ -230,14 +233,16 @@ class Communicator:
             raise ValueError(f"src={src} is not a rank of a group of size {self.world_size}")
         if self._direct(tensor):
             root = self.topology.local_ranks.index(src)
-            native = self._native.broadcast(tensor.data_ptr(), tensor.numel(), _DTYPE_CODES[tensor.dtype], root)
+            native = self._native.broadcast(
+                tensor.data_ptr(), tensor.numel(), _DTYPE_CODES[tensor.dtype], root, not async_op
+            )
             return self._finish(Work(self, native=native, keepalive=(tensor,)), async_op)
         return self._finish(self._threaded(self._broadcast_job, tensor, src), async_op)
 
     def barrier(self) -> None:
         """Returns once every rank of the group has called it."""
         if self._direct():
-            self._finish(Work(self, native=self._native.barrier()), False)
+            self._finish(Work(self, native=self._native.barrier(True)), False)
         else:
             self._finish(self._threaded(self._barrier_job), False)
 
@@ -307,7 +312,7 @@ class Communicator:
         created = None
         mine = None
         if self.local_rank == 0:
-            mine = f"/lhs-{secrets.token_hex(16)}"
+            mine = f"/lhs-{os.getpid()}-{secrets.token_hex(16)}"  # pid: whose it was, if one ever leaks
             created = make(mine, True)
         names: list[str | None] = [mine] * self.world_size
         if self.world_size > 1:
@@ -389,9 +394,9 @@ class Communicator:
         work.wait()
         return None
 
-    def _wait_native(self, native: Any) -> None:
-        native.wait(-1.0)
-        self._raise_if_failed(native)
+    def _run_native(self, collective: str, *args: Any) -> None:
+        """Runs an engine collective on this thread and raises its error, if any."""
+        self._raise_if_failed(getattr(self._native, collective)(*args, blocking=True))
 
     def _raise_if_failed(self, native: Any) -> None:
         kind = native.error_kind()
@@ -427,7 +432,7 @@ class Communicator:
             dist.all_reduce(flat, group=self.group)
         elif self.num_hosts == 1:
             code = _DTYPE_CODES[flat.dtype]
-            self._wait_native(self._native.all_reduce(flat.data_ptr(), flat.data_ptr(), flat.numel(), code, divisor))
+            self._run_native("all_reduce", flat.data_ptr(), flat.data_ptr(), flat.numel(), code, divisor)
             return
         elif flat.numel() > 0:
             self._hierarchical_all_reduce(flat)
@@ -439,50 +444,49 @@ class Communicator:
         per_rank = math.ceil(n / local)
         padded = flat if per_rank * local == n else torch.cat([flat, flat.new_zeros(per_rank * local - n)])
         piece = flat.new_empty(per_rank)
-        self._wait_native(self._native.reduce_scatter(padded.data_ptr(), piece.data_ptr(), per_rank, code, 1.0))
+        self._run_native("reduce_scatter", padded.data_ptr(), piece.data_ptr(), per_rank, code, 1.0)
         dist.all_reduce(piece, group=self._cross_group)
-        self._wait_native(self._native.all_gather(piece.data_ptr(), padded.data_ptr(), per_rank, code))
+        self._run_native("all_gather", piece.data_ptr(), padded.data_ptr(), per_rank, code)
         if padded is not flat:
             flat.copy_(padded[:n])
 
     def _reduce_scatter_job(self, output: torch.Tensor, input: torch.Tensor, divisor: float) -> None:
         n = output.numel()
         if self._native is None:
-            dist.reduce_scatter_tensor(output, input, group=self.group)
+            _reduce_scatter_tensor(output, input, group=self.group)
         elif self.num_hosts == 1:
-            self._wait_native(
-                self._native.reduce_scatter(input.data_ptr(), output.data_ptr(), n, _DTYPE_CODES[input.dtype], divisor)
+            self._run_native(
+                "reduce_scatter", input.data_ptr(), output.data_ptr(), n, _DTYPE_CODES[input.dtype], divisor
             )
             return
         elif n > 0:
             order = torch.tensor(self._cross_order)
             by_local = input.view(self.world_size, n).index_select(0, order).contiguous()
             host_pieces = output.new_empty(self.num_hosts * n)
-            self._wait_native(
-                self._native.reduce_scatter(
-                    by_local.data_ptr(), host_pieces.data_ptr(), host_pieces.numel(), _DTYPE_CODES[input.dtype], 1.0
-                )
+            self._run_native(
+                "reduce_scatter",
+                by_local.data_ptr(),
+                host_pieces.data_ptr(),
+                host_pieces.numel(),
+                _DTYPE_CODES[input.dtype],
+                1.0,
             )
-            dist.reduce_scatter_tensor(output, host_pieces, group=self._cross_group)
+            _reduce_scatter_tensor(output, host_pieces, group=self._cross_group)
         if divisor != 1.0:
             output.div_(divisor)
 
     def _all_gather_job(self, output: torch.Tensor, input: torch.Tensor) -> None:
         n = input.numel()
         if self._native is None:
-            dist.all_gather_into_tensor(output, input, group=self.group)
+            _all_gather_tensor(output, input, group=self.group)
         elif self.num_hosts == 1:
-            self._wait_native(
-                self._native.all_gather(input.data_ptr(), output.data_ptr(), n, _DTYPE_CODES[input.dtype])
-            )
+            self._run_native("all_gather", input.data_ptr(), output.data_ptr(), n, _DTYPE_CODES[input.dtype])
         elif n > 0:
             across = input.new_empty(self.num_hosts * n)
-            dist.all_gather_into_tensor(across, input.contiguous(), group=self._cross_group)
+            _all_gather_tensor(across, input.contiguous(), group=self._cross_group)
             by_local = input.new_empty(self.world_size * n)
-            self._wait_native(
-                self._native.all_gather(
-                    across.data_ptr(), by_local.data_ptr(), across.numel(), _DTYPE_CODES[input.dtype]
-                )
+            self._run_native(
+                "all_gather", across.data_ptr(), by_local.data_ptr(), across.numel(), _DTYPE_CODES[input.dtype]
             )
             output.view(self.world_size, n).index_copy_(0, torch.tensor(self._cross_order), by_local.view(-1, n))
 
@@ -495,16 +499,16 @@ class Communicator:
         if self.num_hosts > 1 and self.local_rank == root:
             dist.broadcast(tensor, src=self._global_rank(src), group=self._cross_group)
         code = _DTYPE_CODES[tensor.dtype]
-        self._wait_native(self._native.broadcast(tensor.data_ptr(), tensor.numel(), code, root))
+        self._run_native("broadcast", tensor.data_ptr(), tensor.numel(), code, root)
 
     def _barrier_job(self) -> None:
         if self._native is None:
             dist.barrier(group=self.group)
             return
-        self._wait_native(self._native.barrier())
+        self._run_native("barrier")
         if self.num_hosts > 1:
             dist.barrier(group=self._cross_group)
-            self._wait_native(self._native.barrier())
+            self._run_native("barrier")
 
 
 def _shutdown(executor: ThreadPoolExecutor, native: Any) -> None:

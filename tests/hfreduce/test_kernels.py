@@ -68,3 +68,11 @@ def test_bad_arguments_raise_instead_of_crashing() -> None:
 
 def test_simd_level_is_reported() -> None:
     assert _C.simd_level() in {"avx512", "avx2", "generic"}
+
+
+@pytest.mark.parametrize("dtype", list(_DTYPE_CODES))
+def test_destination_may_alias_any_source(dtype: torch.dtype) -> None:
+    srcs = [_random(3001, dtype, seed) for seed in range(3)]
+    expected = _reference(srcs, 1.0)
+    _C.reduce(_DTYPE_CODES[dtype], srcs[2].data_ptr(), [s.data_ptr() for s in srcs], 3001, 1.0)
+    assert torch.equal(srcs[2], expected)
