@@ -158,7 +158,8 @@ class Communicator:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hfreduce")
         self._native = self._open_native(chunk_bytes, allow_fallback)
         self._cross_group, self._cross_order = self._make_cross_groups()
-        self._copy_stream: torch.cuda.Stream | None = None
+        self._copy_streams: tuple[Any, Any] | None = None  # device-to-host, host-to-device
+        self._cuda_chunk_bytes = 4 << 20
         self._finalizer = weakref.finalize(self, _shutdown, self._executor, self._native)
 
     # ------------------------------------------------------------------------------ properties
@@ -372,21 +373,54 @@ class Communicator:
     def _run_cuda_job(self, job: Callable[..., Any], tensors: tuple[Any, ...], ready: Any) -> Callable[[], None]:
         """hfreduce on CUDA: device-to-host into pinned memory on a side stream, reduce on the CPU, copy back.
         Returns what ``Work.wait`` runs: make the caller's stream wait for the copy back."""
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=next(t for t in tensors if t.is_cuda).device)
-        stream = self._copy_stream
-        with torch.cuda.stream(stream):
-            stream.wait_event(ready)
+        d2h, h2d = self._cuda_streams(next(t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda).device)
+        if job == self._all_reduce_job and self.backend == "shm":
+            return self._pipelined_cuda_all_reduce(tensors[0], tensors[1], ready, d2h, h2d)
+        with torch.cuda.stream(d2h):
+            d2h.wait_event(ready)
             host = tuple(_pinned_copy(t) if isinstance(t, torch.Tensor) and t.is_cuda else t for t in tensors)
-            stream.synchronize()
-            job(*host)
+            d2h.synchronize()
+        job(*host)
+        with torch.cuda.stream(h2d):
             for dev, h in zip(tensors, host, strict=True):
                 if isinstance(dev, torch.Tensor) and dev.is_cuda:
                     dev.copy_(h, non_blocking=True)
-                    dev.record_stream(stream)
+                    dev.record_stream(h2d)
             done = torch.cuda.Event()
-            done.record(stream)
+            done.record(h2d)
         return lambda: torch.cuda.current_stream().wait_event(done)
+
+    def _pipelined_cuda_all_reduce(
+        self, tensor: torch.Tensor, divisor: float, ready: Any, d2h: Any, h2d: Any
+    ) -> Callable[[], None]:
+        """[Note: CUDA pipeline] Chunk i is reduced on the CPU while the copy engines move chunk i+1 to
+        the host and chunk i-1 back to the device (two streams), as hfreduce pipelines its stages."""
+        flat = tensor.view(-1)
+        host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+        step = max(1, self._cuda_chunk_bytes // flat.element_size())
+        bounds = [(b, min(b + step, flat.numel())) for b in range(0, flat.numel(), step)]
+        arrived = []
+        with torch.cuda.stream(d2h):
+            d2h.wait_event(ready)
+            for b, e in bounds:
+                host[b:e].copy_(flat[b:e], non_blocking=True)
+                arrived.append(d2h.record_event())
+        code = _DTYPE_CODES[flat.dtype]
+        with torch.cuda.stream(h2d):
+            for (b, e), event in zip(bounds, arrived, strict=True):
+                event.synchronize()
+                chunk = host[b:e]
+                self._run_native("all_reduce", chunk.data_ptr(), chunk.data_ptr(), e - b, code, divisor)
+                flat[b:e].copy_(chunk, non_blocking=True)
+            flat.record_stream(d2h)
+            flat.record_stream(h2d)
+            done = h2d.record_event()
+        return lambda: torch.cuda.current_stream().wait_event(done)
+
+    def _cuda_streams(self, device: torch.device) -> tuple[Any, Any]:
+        if self._copy_streams is None:
+            self._copy_streams = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+        return self._copy_streams
 
     def _finish(self, work: Work, async_op: bool) -> Work | None:
         if async_op:
