@@ -25,16 +25,17 @@ import torch
 
 __all__ = ["HostBuffer", "PinnedBufferPool", "default_pool"]
 
-_SMALL_CLASS = 4096  # size classes start here and double up to _LARGE_STEP
-_LARGE_STEP = 1 << 20  # above 1 MiB, classes are multiples of 1 MiB (activations repeat exactly)
+_SMALL_CLASS = 4096
 
 
 def size_class(nbytes: int) -> int:
-    """The rounded capacity a request of ``nbytes`` is served from."""
+    """The capacity a request of ``nbytes`` is served from: the next power of two (at least 4 KiB).
+
+    Powers of two because torch's pinned allocator rounds every block to one anyway: the pool's
+    accounting then matches the memory actually locked.
+    """
     if nbytes <= 0:
         raise ValueError(f"nbytes={nbytes} must be positive")
-    if nbytes >= _LARGE_STEP:
-        return -(-nbytes // _LARGE_STEP) * _LARGE_STEP
     return max(_SMALL_CLASS, 1 << (nbytes - 1).bit_length())
 
 

@@ -14,6 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 from examples.gpt.model import GPT, config, lm_loss
 from lightning_haiscale.cpu_offload import CPUOffload, offload_stats, reset_offload_stats
+from lightning_haiscale.cpu_offload import region as region_module
+from lightning_haiscale.cpu_offload.transfer import HostTransfer
 
 _TAGS = itertools.count()
 
@@ -193,3 +195,71 @@ def test_cuda_gradients_bitwise_equal(ratio):
         region = CPUOffload(ratio, tag, min_bytes=0, max_inflight_bytes=1 << 20, prefetch_bytes=1 << 20)
         _assert_bitwise_equal(_grads(model, idx, targets, region), want)
     assert offload_stats(tag).bytes_offloaded > 0
+
+
+class _Event:
+    """Stands in for a CUDA event whose copy has not finished until someone waits on it."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _SlowTransfer(HostTransfer):
+    """Host copies that report themselves unfinished: exercises the CUDA path's bookkeeping on CPU."""
+
+    def __init__(self, device, clock) -> None:
+        super().__init__(device, clock)
+        self.waited = self.kept = 0
+
+    def to_host(self, source, buf):
+        super().to_host(source, buf)
+        return _Event()
+
+    def to_device(self, buf, written):
+        data, _ = super().to_device(buf, written)
+        return data, _Event(done=True)
+
+    def wait(self, event) -> None:
+        self.waited += 1
+        event.done = True
+
+    def keep_until_read(self, source) -> None:
+        self.kept += 1
+
+
+@pytest.fixture
+def slow_transfer(monkeypatch):
+    made = []
+
+    def transfer(self, device):
+        if device not in self._transfers:
+            self._transfers[device] = _SlowTransfer(device, self.clock)
+            made.append(self._transfers[device])
+        return self._transfers[device]
+
+    monkeypatch.setattr(region_module._Run, "_transfer", transfer)
+    return made
+
+
+def test_inflight_window_and_source_reuse(gpt, slow_transfer):
+    model, idx, targets = gpt
+    want = _grads(model, idx, targets)
+    window = 200_000
+    region = CPUOffload(1.0, min_bytes=0, force_copy=True, max_inflight_bytes=window)
+    got = _grads(model, idx, targets, region)
+    _assert_bitwise_equal(got, want)  # the last spans come back from their still-held device bytes
+    (transfer,) = slow_transfer
+    assert transfer.waited > 0  # compute waited for the oldest copies once the window was full
+    assert transfer.kept > 0  # reused device bytes, released after backward while their copy "runs", are protected
+
+
+def test_graph_dropped_before_backward_protects_copies_in_flight(gpt, slow_transfer):
+    model, idx, targets = gpt
+    with CPUOffload(1.0, min_bytes=0, force_copy=True, max_inflight_bytes=1 << 30):
+        loss = lm_loss(model(idx), targets)
+    del loss  # no backward: the held device bytes are released while their copies "run"
+    (transfer,) = slow_transfer
+    assert transfer.kept > 0 and transfer.waited == 0

@@ -1,0 +1,254 @@
+"""Activation offload on one GPU: ``CPUOffload`` at several ratios against ``save_on_cpu(pin_memory=True)``.
+
+    python benchmarks/offload_gpu.py [--json results.json]
+
+GPT-2 Medium (24 layers, d_model 1024, 16 heads, vocab 50257), batch 8, context 1024, bf16 autocast. For
+each column: forward (with the loss) inside the region, backward outside it, gradients kept allocated
+between steps so the memory before forward is the same for every column. Reported per column: peak CUDA
+memory allocated and reserved, peak activation memory (peak allocated minus the memory allocated before
+the forward), step time (median of the measured steps after warm-up), and for ``CPUOffload`` the
+achieved ratio, bytes offloaded and copy time. A pinned copy-bandwidth probe gives the time floor of
+moving those bytes. Without CUDA it prints why and exits 0; ``--device cpu --config tiny`` is a smoke run
+of the same code with the copy path forced (no memory figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.gpt.model import GPT, config, lm_loss
+from lightning_haiscale.cpu_offload import CPUOffload, reset_offload_stats
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass
+class Result:
+    """One column of the table."""
+
+    name: str
+    step_ms: float
+    peak_allocated_mib: float | None = None
+    peak_reserved_mib: float | None = None
+    activation_mib: float | None = None  # peak allocated minus allocated before forward
+    achieved_ratio: float | None = None
+    offloaded_mib: float | None = None
+    copy_ms: float | None = None
+    step_times_ms: list[float] = field(default_factory=list)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke run, copy path forced")
+    p.add_argument("--config", default="medium", help="examples/gpt config name (medium = GPT-2 Medium)")
+    p.add_argument("--vocab", type=int, default=50257, help="vocabulary size (GPT-2: 50257)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024, help="context length")
+    p.add_argument("--ratios", default="0,0.25,0.5,1", help="comma-separated offload ratios")
+    p.add_argument("--amp", default="bf16", choices=["bf16", "none"], help="autocast dtype")
+    p.add_argument("--warmup", type=int, default=3, help="steps before measuring")
+    p.add_argument("--steps", type=int, default=5, help="measured steps (median time)")
+    p.add_argument("--min-bytes", type=int, default=None, help="CPUOffload min_bytes (default: its own)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(list(argv))
+    args.ratio_values = [float(r) for r in args.ratios.split(",") if r.strip()]
+    for ratio in args.ratio_values:
+        if not 0.0 <= ratio <= 1.0:
+            p.error(f"--ratios: {ratio} is outside [0, 1]")
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1 (warm-up also allocates the gradients)")
+    return args
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, Callable[[], Any]]]:
+    """(column name, factory of the context manager that wraps each forward)."""
+    options: dict[str, Any] = {"force_copy": args.device == "cpu"}
+    if args.min_bytes is not None:
+        options["min_bytes"] = args.min_bytes
+    columns: list[tuple[str, Callable[[], Any]]] = [("no offload", contextlib.nullcontext)]
+    for ratio in args.ratio_values:
+        tag = f"bench-offload-{ratio:g}"
+        columns.append((f"ratio {ratio:g}", lambda r=ratio, t=tag: CPUOffload(r, t, **options)))
+    columns.append(("save_on_cpu", lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)))
+    return columns
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, region: Any, amp: bool) -> None:
+    model.zero_grad(set_to_none=False)
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=amp), region:
+        loss = lm_loss(model(idx), targets)
+    loss.backward()
+
+
+def measure(name: str, make_region: Callable[[], Any], model, idx, targets, args) -> Result:
+    """Runs warm-up and measured steps of one column."""
+    device, amp = idx.device, args.amp == "bf16"
+    cuda = device.type == "cuda"
+    times, peaks, reserved, activations = [], [], [], []
+    regions = []
+    for step in range(args.warmup + args.steps):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        before = torch.cuda.memory_allocated(device) if cuda else 0
+        start = time.perf_counter()
+        region = make_region()
+        _step(model, idx, targets, region, amp)
+        _sync(device)
+        if step < args.warmup:
+            continue
+        times.append((time.perf_counter() - start) * 1000)
+        regions.append(region)
+        if cuda:
+            peaks.append(torch.cuda.max_memory_allocated(device) / MiB)
+            reserved.append(torch.cuda.max_memory_reserved(device) / MiB)
+            activations.append((torch.cuda.max_memory_allocated(device) - before) / MiB)
+    result = Result(name, statistics.median(times), step_times_ms=times)
+    if cuda:
+        result.peak_allocated_mib, result.peak_reserved_mib = max(peaks), max(reserved)
+        result.activation_mib = max(activations)
+    if isinstance(regions[-1], CPUOffload):
+        stats = regions[-1].stats()
+        result.achieved_ratio = stats.achieved_ratio
+        result.offloaded_mib = stats.bytes_offloaded / MiB
+        result.copy_ms = stats.copy_seconds * 1000
+    return result
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = GiB) -> tuple[float, float]:
+    """(device-to-host, host-to-device) GB/s of one pinned copy of ``nbytes``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for dst, source in ((host, src), (src, host)):
+        dst.copy_(source, non_blocking=True)  # warm-up
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(source, non_blocking=True)
+        _sync(device)
+        rates.append(nbytes / (time.perf_counter() - start) / 1e9)
+    return rates[0], rates[1]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def format_table(results: Sequence[Result]) -> str:
+    """Rows are metrics, columns are the runs; overheads and cuts are relative to the first column."""
+    base = results[0]
+    rows: list[tuple[str, list[str]]] = [
+        ("step time (ms, median)", [_fmt(r.step_ms, ".1f") for r in results]),
+        ("step time vs no offload", [_fmt(r.step_ms / base.step_ms, ".2f") + "x" for r in results]),
+        ("peak allocated (MiB)", [_fmt(r.peak_allocated_mib, ".0f") for r in results]),
+        ("peak reserved (MiB)", [_fmt(r.peak_reserved_mib, ".0f") for r in results]),
+        ("peak activations (MiB)", [_fmt(r.activation_mib, ".0f") for r in results]),
+    ]
+    if base.activation_mib:
+        cuts = [
+            None if r.activation_mib is None else 100 * (1 - r.activation_mib / base.activation_mib) for r in results
+        ]
+        rows.append(("activation cut (%)", [_fmt(c, ".1f") for c in cuts]))
+    rows += [
+        ("achieved ratio", [_fmt(r.achieved_ratio, ".3f") for r in results]),
+        ("offloaded (MiB)", [_fmt(r.offloaded_mib, ".1f") for r in results]),
+        ("copy time d2h+h2d (ms)", [_fmt(r.copy_ms, ".1f") for r in results]),
+    ]
+    header = ["", *(r.name for r in results)]
+    widths = [max(len(header[0]), *(len(name) for name, _ in rows))]
+    widths += [max(len(header[i + 1]), *(len(cells[i]) for _, cells in rows)) for i in range(len(results))]
+    lines = [
+        " | ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True)))
+    ]
+    lines.append("-+-".join("-" * w for w in widths))
+    for name, cells in rows:
+        lines.append(" | ".join([name.ljust(widths[0]), *(c.rjust(w) for c, w in zip(cells, widths[1:], strict=True))]))
+    return "\n".join(lines)
+
+
+def target_lines(results: Sequence[Result]) -> list[str]:
+    """The issue's GPU targets, checked against this run (only where the columns exist)."""
+    by_name = {r.name: r for r in results}
+    base, half, full, peer = (by_name.get(n) for n in ("no offload", "ratio 0.5", "ratio 1", "save_on_cpu"))
+    lines = []
+    if base and half and base.activation_mib and half.activation_mib is not None:
+        cut = 1 - half.activation_mib / base.activation_mib
+        overhead = half.step_ms / base.step_ms - 1
+        ok = cut >= 0.40 and overhead <= 0.15
+        lines.append(f"target ratio 0.5: activation cut {cut:.1%} (>= 40%), overhead {overhead:+.1%} (<= 15%): {ok}")
+    if full and peer:
+        lines.append(
+            f"target ratio 1 faster than save_on_cpu(pin_memory=True): {full.step_ms:.1f} ms vs "
+            f"{peer.step_ms:.1f} ms ({peer.step_ms / full.step_ms:.2f}x): {full.step_ms < peer.step_ms}"
+        )
+    return lines
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("offload_gpu: no CUDA device here; this benchmark needs a GPU (use --device cpu for a smoke run)")
+        return 0
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    cfg = config(args.config, vocab_size=args.vocab, block_size=max(args.seq, config(args.config).block_size))
+    model = GPT(cfg).to(device)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    targets = torch.roll(idx, -1, dims=1)
+    reset_offload_stats()
+    results = []
+    for name, make_region in variants(args):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        results.append(measure(name, make_region, model, idx, targets, args))
+        print(f"  measured {name}: {results[-1].step_ms:.1f} ms", flush=True)
+    setup = (
+        f"GPT config={args.config} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
+        f"vocab {args.vocab}), batch {args.batch}, context {args.seq}, autocast {args.amp}, device {device} "
+        f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu, copy path forced'}), "
+        f"torch {torch.__version__}, {args.warmup} warm-up + {args.steps} measured steps"
+    )
+    print(setup)
+    print(format_table(results))
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    if bandwidth is not None:
+        print(
+            f"pinned copy bandwidth, 1 GiB: device-to-host {bandwidth[0]:.1f} GB/s, "
+            f"host-to-device {bandwidth[1]:.1f} GB/s"
+        )
+        for r in results:
+            if r.offloaded_mib:
+                floor = r.offloaded_mib * MiB / 1e9 * (1 / bandwidth[0] + 1 / bandwidth[1]) * 1000
+                print(
+                    f"  {r.name}: {r.offloaded_mib:.0f} MiB out and back: >= {floor:.0f} ms of copy time at that rate"
+                )
+    for line in target_lines(results):
+        print(line)
+    if args.json is not None:
+        payload = {"setup": setup, "bandwidth_gbps": bandwidth, "results": [asdict(r) for r in results]}
+        args.json.write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
