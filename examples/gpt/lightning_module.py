@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from typing import Any
+
 import lightning as L
 import torch
 from torchmetrics import MeanMetric
@@ -20,15 +23,16 @@ class GPTLightningModule(L.LightningModule):
     pipeline strategies look for. Pipeline strategies need ``cfg.tie_weights=False``.
 
     Args:
-        cfg: the model configuration, e.g. ``config("tiny")``.
+        cfg: the model configuration, e.g. ``config("tiny")``, or its fields as a dict (from a checkpoint).
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
     """
 
-    def __init__(self, cfg: GPTConfig, lr: float = 1e-3, weight_decay: float = 0.1) -> None:
+    def __init__(self, cfg: GPTConfig | dict[str, Any], lr: float = 1e-3, weight_decay: float = 0.1) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        self.cfg = cfg
+        self.cfg = cfg if isinstance(cfg, GPTConfig) else GPTConfig(**cfg)
+        # Plain types only, so checkpoints load with torch.load(weights_only=True) (Lightning's default).
+        self.save_hyperparameters({"cfg": asdict(self.cfg), "lr": lr, "weight_decay": weight_decay})
         self.lr = lr
         self.weight_decay = weight_decay
         self.model: GPT | None = None

@@ -3,4 +3,6 @@
 Importing this package registers every strategy name with Lightning's ``StrategyRegistry``.
 """
 
-__all__: list[str] = []
+from lightning_haiscale.strategies.ddp import HaiDDPStrategy
+
+__all__: list[str] = ["HaiDDPStrategy"]

@@ -1,0 +1,127 @@
+"""``DistributedDataParallel``: a drop-in for torch's, whose gradients are averaged by the hfreduce engine."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_haiscale.ddp.reducer import Reducer
+from lightning_haiscale.hfreduce import Communicator
+
+__all__ = ["DistributedDataParallel"]
+
+_ENGINE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallel over ``process_group``: same model on every rank, gradients averaged in backward.
+
+    At wrap, parameters and buffers are copied from rank 0 to every rank. In backward, gradients are
+    grouped in buckets (reverse registration order, ``bucket_cap_mb`` each); a bucket's averaging
+    all-reduce starts on the engine's thread as soon as all its gradients are ready, and ``backward()``
+    returns once every bucket is reduced. On CPU the buckets live in the engine's shared memory and each
+    ``param.grad`` is a view of its bucket: no copy in or out (see ``lightning_haiscale.ddp.reducer``).
+
+    Args:
+        module: the model, already on its device.
+        device_ids: torch DDP's argument; at most one device, the one the module is on.
+        process_group: the group to average over (default: the world).
+        bucket_cap_mb: the most MiB of gradients in one bucket.
+        find_unused_parameters: allow parameters that get no gradient in some backward.
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before each forward.
+
+    ``reducer.stop()`` stops the engine when training is over (it also stops when the wrapper is
+    garbage-collected). ``state_dict()`` is the bare module's: it loads into ``module`` directly.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: list[int | torch.device] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__()
+        _check_arguments(module, device_ids, bucket_cap_mb)
+        self.module = module
+        self.device_ids = device_ids
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        comm = Communicator(process_group)
+        with torch.no_grad():
+            _broadcast_coalesced(comm, [*module.parameters(), *module.buffers()])
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.reducer = Reducer(
+            [p for _, p in named],
+            comm,
+            [n for n, _ in named],
+            bucket_cap_bytes=int(bucket_cap_mb * 2**20),
+            find_unused_parameters=find_unused_parameters,
+        )
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """False inside :meth:`no_sync` (torch DDP's attribute)."""
+        return self.reducer.require_backward_grad_sync
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers:
+            buffers = list(self.module.buffers())
+            if buffers:
+                with torch.no_grad():
+                    _broadcast_coalesced(self.reducer.comm, buffers)
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside this block accumulate gradients locally; the first backward after it averages."""
+        with self.reducer.no_sync():
+            yield
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Loads a state dict of the bare module (as :meth:`state_dict` returns)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _check_arguments(module: nn.Module, device_ids: list[Any] | None, bucket_cap_mb: float) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("DistributedDataParallel: call torch.distributed.init_process_group() first")
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive")
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(f"device_ids={device_ids}: one device per process; pass device_ids=[local_rank]")
+    sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        raise ValueError(f"modules {sparse} have sparse gradients, which hai_ddp does not support; use sparse=False")
+
+
+def _broadcast_coalesced(comm: Communicator, tensors: Iterable[torch.Tensor]) -> None:
+    """Copies rank 0's ``tensors`` to every rank: one broadcast per (dtype, device)."""
+    groups: OrderedDict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = OrderedDict()
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for (dtype, _), group in groups.items():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        if dtype in _ENGINE_DTYPES:
+            comm.broadcast(flat, src=0)
+        else:  # e.g. bool buffers: rare and small, torch.distributed is fine
+            dist.broadcast(flat, src=dist.get_global_rank(comm.group, 0), group=comm.group)
+        if comm.rank == 0:
+            continue
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

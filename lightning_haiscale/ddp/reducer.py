@@ -1,0 +1,216 @@
+"""The reducer: zero-copy gradient buckets whose averaging all-reduce starts while backward still runs.
+
+[Note: zero-copy gradients]
+Each parameter's ``.grad`` is a view of its slice of one flat storage per (dtype, device); on CPU that
+storage comes from ``Communicator.alloc_buffer``, so the engine reduces a bucket in shared memory with no
+copy in or out, and there is no second copy of the gradients. Autograd accumulates into an existing
+``.grad`` in place, so the view survives backward. What would break it is ``.grad = None``
+(``optimizer.zero_grad(set_to_none=True)``, the default of torch and Lightning): the next backward would
+store a fresh tensor. So every parameter has a hook that runs just *before* its gradient is accumulated
+(``Tensor.register_hook`` on a leaf is a pre-hook of its AccumulateGrad node): a ``None`` gradient is
+replaced by its view, zeroed; a gradient the user replaced by another tensor is copied into the view and
+replaced by it. The view is back before any gradient lands, whatever happened to ``.grad`` between steps,
+and ``set_to_none`` keeps its meaning (an optimizer skips parameters that got no gradient yet).
+
+[Note: bucket launch order]
+Every rank must issue the same collectives in the same order, but the order of gradient hooks can differ
+between ranks. As in torch DDP, buckets launch strictly in index order: each as soon as it and every
+bucket before it are complete. Buckets follow reverse registration order, so this rarely delays one.
+
+[Note: end of backward]
+The first gradient hook of a synchronized backward queues a callback on the autograd engine (torch DDP
+does the same: there is no public "backward finished" hook). The callback deals with parameters that got
+no gradient, launches the remaining buckets and waits for every bucket, so ``backward()`` returns with all
+gradients averaged. A parameter without a gradient is an error unless ``find_unused_parameters=True``:
+then its slot contributes zeros, and a bitmap all-reduce tells whether any rank used it; a parameter no
+rank used keeps ``.grad = None`` (as in torch DDP and a single process). Unused parameters are found only
+at the end of backward, so buckets after the first one holding an unused parameter do not overlap backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_haiscale.ddp.buckets import Bucket, plan_buckets, storage_sizes
+from lightning_haiscale.hfreduce import Communicator, Work
+
+__all__ = ["Reducer"]
+
+log = logging.getLogger(__name__)
+
+
+class Reducer:
+    """Owns the gradient buckets of ``params`` and their all-reduce over ``comm``.
+
+    Construction is collective (the CPU buckets are allocated in the engine's shared memory).
+
+    Args:
+        params: the parameters to synchronize, in registration order; identical on every rank.
+        comm: the communicator; the reducer closes it in :meth:`stop`.
+        names: a name per parameter, for error messages.
+        bucket_cap_bytes: the most bytes of gradients in one bucket.
+        find_unused_parameters: allow parameters that get no gradient in a backward.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        comm: Communicator,
+        names: Sequence[str],
+        bucket_cap_bytes: int,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.comm = comm
+        self.find_unused_parameters = find_unused_parameters
+        self.require_backward_grad_sync = True
+        self.buckets: list[Bucket] = plan_buckets(self.params, bucket_cap_bytes)
+        self.storage = {key: self._allocate(numel, *key) for key, numel in storage_sizes(self.buckets).items()}
+        self.grad_views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+        self.bucket_views: list[torch.Tensor] = []
+        self._bucket_of = [0] * len(self.params)
+        for b in self.buckets:
+            flat = self.storage[b.key]
+            self.bucket_views.append(flat[b.offset : b.offset + b.numel])
+            for i, offset in zip(b.params, b.param_offsets, strict=True):
+                self.grad_views[i] = flat[offset : offset + self.params[i].numel()].view_as(self.params[i])
+                self._bucket_of[i] = b.index
+        self._reset()
+        handles = self._register_hooks()
+        self._finalizer = weakref.finalize(self, _release, handles, comm)
+        log.debug("hai_ddp: %d parameters in %d buckets", len(self.params), len(self.buckets))
+
+    def _allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.comm.alloc_buffer(numel, dtype)
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def _register_hooks(self) -> list[Any]:
+        me = weakref.ref(self)  # the hooks must not keep the reducer (and its communicator) alive
+        handles = []
+        for i, p in enumerate(self.params):
+            handles.append(p.register_hook(functools.partial(_before_accumulate, me, i)))
+            handles.append(p.register_post_accumulate_grad_hook(functools.partial(_after_accumulate, me, i)))
+        return handles
+
+    def _reset(self) -> None:
+        self._ready = [False] * len(self.params)
+        self._pending = [len(b.params) for b in self.buckets]
+        self._next_bucket = 0
+        self._works: list[Work] = []
+        self._callback_queued = False
+
+    # ------------------------------------------------------------------------------ public
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate gradients locally (in the buckets) without communication."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def stop(self) -> None:
+        """Removes the gradient hooks and stops the communication engine. Idempotent."""
+        self._finalizer()
+
+    @property
+    def stopped(self) -> bool:
+        return not self._finalizer.alive
+
+    # ------------------------------------------------------------------------------- hooks
+
+    def attach_grad(self, i: int) -> None:
+        """Makes ``params[i].grad`` its bucket view again (see [Note: zero-copy gradients])."""
+        p, view = self.params[i], self.grad_views[i]
+        grad = p.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
+            return
+        else:
+            view.copy_(grad)
+        p.grad = view
+
+    def mark_ready(self, i: int) -> None:
+        """Called once ``params[i]``'s gradient is accumulated; launches the buckets that became complete."""
+        if not self.require_backward_grad_sync or self.stopped:
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        if self._ready[i]:
+            return  # a second accumulation in the same backward (reentrant checkpointing) is in the view
+        self._ready[i] = True
+        self._pending[self._bucket_of[i]] -= 1
+        self._launch_complete_buckets()
+
+    def _launch_complete_buckets(self) -> None:
+        while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
+            view = self.bucket_views[self._next_bucket]
+            self._works.append(self.comm.all_reduce(view, op="avg", async_op=True))
+            self._next_bucket += 1
+
+    def _finish_backward(self) -> None:
+        try:
+            missing = [i for i, ready in enumerate(self._ready) if not ready]
+            if missing and not self.find_unused_parameters:
+                raise RuntimeError(
+                    f"hai_ddp: parameters {[self.names[i] for i in missing[:8]]} (and {max(0, len(missing) - 8)} "
+                    "more) got no gradient in this backward. Pass find_unused_parameters=True to "
+                    "DistributedDataParallel (or HaiDDPStrategy), or make every parameter take part in the loss."
+                )
+            had_grad = [self.params[i].grad is not None for i in missing]
+            for i in missing:
+                if self.params[i].grad is None:
+                    self.grad_views[i].zero_()
+                else:
+                    self.attach_grad(i)
+                self._ready[i] = True
+                self._pending[self._bucket_of[i]] -= 1
+            self._launch_complete_buckets()
+            used = self._globally_used(missing, had_grad) if self.find_unused_parameters else None
+            for work in self._works:
+                work.wait()
+            for k, i in enumerate(missing):
+                if not had_grad[k] and used is not None and used[k]:
+                    self.params[i].grad = self.grad_views[i]
+        finally:
+            self._reset()
+
+    def _globally_used(self, missing: list[int], had_grad: list[bool]) -> list[bool]:
+        """Whether any rank has a gradient for each parameter (one small all-reduce, on every rank)."""
+        flags = torch.ones(len(self.params), dtype=torch.int32)
+        for i, has in zip(missing, had_grad, strict=True):
+            flags[i] = int(has)
+        self.comm.all_reduce(flags, op="sum")
+        return [bool(flags[i] > 0) for i in missing]
+
+
+def _before_accumulate(reducer: weakref.ref[Reducer], i: int, grad: torch.Tensor) -> None:
+    r = reducer()
+    if r is not None:
+        r.attach_grad(i)
+
+
+def _after_accumulate(reducer: weakref.ref[Reducer], i: int, param: torch.Tensor) -> None:
+    r = reducer()
+    if r is not None:
+        r.mark_ready(i)
+
+
+def _release(handles: list[Any], comm: Communicator) -> None:
+    for handle in handles:
+        handle.remove()
+    comm.close()

@@ -1,0 +1,162 @@
+"""``DistributedDataParallel`` against a single-process run on the concatenated batch, and against torch DDP.
+
+Each test spawns its processes once and checks several behaviours in them (the machine has 2 cores).
+Tolerance: relative 1e-5 of each parameter's norm after the stated number of optimizer steps.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from examples.gpt.model import GPT, config, lm_loss
+from lightning_haiscale.ddp import DistributedDataParallel
+from tests.distributed import run_distributed
+
+# No biases: the key bias of attention gets a gradient that is zero up to rounding, which AdamW would
+# magnify into noise-driven updates that no two summation orders share.
+CFG = config("tiny", n_layer=2, n_embd=32, n_head=2, block_size=16, bias=False)
+PER_RANK = 2  # sequences per rank and micro-batch
+
+
+def _assert_close(model: nn.Module, ref: nn.Module, rel: float = 1e-5) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        err = (p.detach() - q.detach()).norm() / q.detach().norm().clamp_min(1e-12)
+        assert err <= rel, f"{name}: relative error {err:.2e} > {rel}"
+
+
+def _tokens(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    seq = torch.randint(0, CFG.vocab_size, (rows, CFG.block_size + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def _gpt(seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(CFG)
+
+
+def _train_gpt(rank: int, world: int, steps: int, accumulate: int, bucket_cap_mb: float) -> None:
+    """hai DDP vs one process on the concatenated batch: GPT, AdamW, ``accumulate`` micro-batches per step."""
+    ref = _gpt(0)
+    model = DistributedDataParallel(_gpt(rank), bucket_cap_mb=bucket_cap_mb)  # rank 0's weights win
+    assert len(model.reducer.buckets) > 1
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(steps):
+        x, y = _tokens(step, world * PER_RANK * accumulate)
+        mine = slice(rank * PER_RANK * accumulate, (rank + 1) * PER_RANK * accumulate)
+        for micro, (xm, ym) in enumerate(zip(x[mine].chunk(accumulate), y[mine].chunk(accumulate), strict=True)):
+            if micro < accumulate - 1:
+                with model.no_sync():
+                    (lm_loss(model(xm), ym) / accumulate).backward()
+            else:
+                (lm_loss(model(xm), ym) / accumulate).backward()
+        opt.step()
+        opt.zero_grad()  # set_to_none=True: the views must come back in the next backward
+        lm_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _assert_close(model.module, ref)
+    _assert_zero_copy(model)
+    model.reducer.stop()
+
+
+def _assert_zero_copy(model: DistributedDataParallel) -> None:
+    storage = model.reducer.storage[(torch.float32, torch.device("cpu"))]
+    lo, hi = storage.data_ptr(), storage.data_ptr() + storage.numel() * storage.element_size()
+    for i, p in enumerate(model.reducer.params):
+        model.reducer.attach_grad(i)
+        assert lo <= p.grad.data_ptr() < hi, "a gradient is not a view of the engine's buffer"
+
+
+class _Branchy(nn.Module):
+    """``b`` is used only when asked (data-dependent), ``c`` never."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        out = self.a(x)
+        return out + self.b(x) if use_b else out
+
+
+def _unused_parameters(rank: int, world: int) -> None:
+    ref, model = _Branchy(), DistributedDataParallel(_Branchy(), find_unused_parameters=True)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    for step in range(6):
+        x = torch.randn(world, 4, 8, generator=torch.Generator().manual_seed(step))
+        use_b = [step % 2 == 0 and r == 0 for r in range(world)]  # only rank 0, every other step
+        model(x[rank], use_b[rank]).square().mean().backward()
+        assert model.module.c.weight.grad is None
+        assert (model.module.b.weight.grad is None) == (not any(use_b))
+        opt.step()
+        opt.zero_grad()
+        (sum(ref(x[r], use_b[r]).square().mean() for r in range(world)) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _assert_close(model.module, ref)
+    model.reducer.stop()
+
+    strict = DistributedDataParallel(_Branchy())
+    with pytest.raises(RuntimeError, match="find_unused_parameters=True"):
+        strict(x[rank], True).sum().backward()
+    strict.reducer.stop()
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _buffers_match_torch_ddp(rank: int, world: int) -> None:
+    ours = DistributedDataParallel(_bn_model())
+    theirs = nn.parallel.DistributedDataParallel(_bn_model())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    for step in range(5):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * world + rank))
+        for m, opt in zip((ours, theirs), opts, strict=True):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    _assert_close(ours.module, theirs.module)
+    for a, b in zip(ours.module.buffers(), theirs.module.buffers(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    state = ours.state_dict()
+    bare = _bn_model()
+    bare.load_state_dict(state)  # no "module." prefix
+    assert state.keys() == bare.state_dict().keys()
+    finalizer = ours.reducer._finalizer
+    del ours, m
+    gc.collect()
+    assert not finalizer.alive, "the engine was not stopped when the wrapper was collected"
+
+
+def _run_all(rank: int, world: int, checks: list[Callable[[int, int], None]]) -> None:
+    for check in checks:
+        check(rank, world)
+        dist.barrier()
+
+
+def _gpt_parity(rank: int, world: int) -> None:
+    _train_gpt(rank, world, steps=10, accumulate=1, bucket_cap_mb=0.02)
+
+
+def _gpt_accumulate(rank: int, world: int) -> None:
+    _train_gpt(rank, world, steps=3, accumulate=4, bucket_cap_mb=0.02)
+
+
+def test_two_processes() -> None:
+    checks = [_gpt_parity, _gpt_accumulate, _unused_parameters, _buffers_match_torch_ddp]
+    run_distributed(_run_all, 2, checks)
+
+
+def test_two_hosts_of_two_ranks() -> None:
+    run_distributed(_run_all, 4, [_gpt_parity], node_ids=["a", "a", "b", "b"])

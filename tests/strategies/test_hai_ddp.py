@@ -1,0 +1,197 @@
+"""``Trainer(strategy="hai_ddp")`` against Lightning's ``"ddp"`` and a single-process run, on externally launched ranks.
+
+One spawn checks several behaviours (the machine has 2 cores). Tolerance: relative 1e-5 of each
+parameter's norm; resumed losses equal uninterrupted ones to 1e-6.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_haiscale  # noqa: F401  (registers "hai_ddp")
+from examples.gpt.lightning_module import GPTLightningModule
+from examples.gpt.model import config, lm_loss
+from lightning_haiscale.ddp import DistributedDataParallel
+from lightning_haiscale.strategies import HaiDDPStrategy
+from tests.distributed import run_distributed
+
+CFG = config("tiny", n_layer=2, n_embd=32, n_head=2, block_size=16, bias=False)  # see tests/ddp: no biases
+BATCH = 2  # sequences per rank
+
+
+def _dataset(rows: int) -> TensorDataset:
+    seq = torch.randint(0, CFG.vocab_size, (rows, CFG.block_size + 1), generator=torch.Generator().manual_seed(7))
+    return TensorDataset(seq[:, :-1], seq[:, 1:])
+
+
+class _Losses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        if outputs is not None:
+            self.losses.append(float(outputs["loss"]))
+
+
+def _fit(module: L.LightningModule, strategy: Any, world: int, steps: int, data: Any, **kwargs: Any) -> L.Trainer:
+    options = {
+        "devices": world,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+    }
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, **{**options, **kwargs})
+    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=BATCH), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _gpt_module() -> GPTLightningModule:
+    torch.manual_seed(0)
+    module = GPTLightningModule(CFG)
+    module.configure_model()  # weights known before fit, for the reference
+    return module
+
+
+def _assert_close(model: nn.Module, ref: nn.Module, rel: float = 1e-5) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        err = (p.detach() - q.detach()).norm() / q.detach().norm().clamp_min(1e-12)
+        assert err <= rel, f"{name}: relative error {err:.2e} > {rel}"
+
+
+def _reference(module: GPTLightningModule, world: int, steps: int, data: TensorDataset) -> nn.Module:
+    """One process whose batch is every rank's batch of the step, dealt as Lightning's sampler deals them."""
+    ref = copy.deepcopy(module.model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=module.lr, betas=(0.9, 0.95), weight_decay=module.weight_decay)
+    samplers = [DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0) for r in range(world)]
+    for step in range(steps):
+        rows = [i for s in samplers for i in list(s)[step * BATCH : (step + 1) * BATCH]]  # within epoch 0
+        x, y = data[torch.tensor(rows)]
+        lm_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return ref
+
+
+def _parity_with_ddp_and_one_process(rank: int, world: int, tmp: Path) -> None:
+    data = _dataset(10 * world * BATCH)
+    ours, theirs = _gpt_module(), _gpt_module()
+    ref = _reference(ours, world, 10, data)
+    trainer = _fit(ours, "hai_ddp", world, 10, data)
+    assert isinstance(trainer.strategy, HaiDDPStrategy)
+    assert not isinstance(trainer.strategy.model, DistributedDataParallel), "teardown unwraps the model"
+    trainer.save_checkpoint(tmp / "hai.ckpt")
+    ddp_trainer = _fit(theirs, "ddp", world, 10, data)
+    ddp_trainer.save_checkpoint(tmp / "ddp.ckpt")
+    _assert_close(ours.model, ref)
+    _assert_close(ours.model, theirs.model)
+    hai, ddp = (torch.load(tmp / f"{n}.ckpt", weights_only=False) for n in ("hai", "ddp"))
+    assert hai.keys() == ddp.keys() and hai["state_dict"].keys() == ddp["state_dict"].keys()
+
+
+def _accumulation_matches_ddp(rank: int, world: int, tmp: Path) -> None:
+    data = _dataset(12 * world * BATCH)
+    ours, theirs = _gpt_module(), _gpt_module()
+    _fit(ours, "hai_ddp", world, 3, data, accumulate_grad_batches=4)
+    _fit(theirs, "ddp", world, 3, data, accumulate_grad_batches=4)
+    _assert_close(ours.model, theirs.model)
+
+
+def _resume_gives_same_losses(rank: int, world: int, tmp: Path) -> None:
+    # 3 steps an epoch, checkpoint after step 3: Lightning restarts an interrupted epoch's data from its
+    # start (with any strategy), so only a checkpoint at an epoch boundary resumes the same batches.
+    data = _dataset(3 * world * BATCH)
+    whole, resumed = _Losses(), _Losses()
+    saver = ModelCheckpoint(dirpath=tmp / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    _fit(_gpt_module(), "hai_ddp", world, 6, data, callbacks=[whole, saver], enable_checkpointing=True)
+    _fit(_gpt_module(), "hai_ddp", world, 6, data, callbacks=[resumed], ckpt_path=tmp / "ckpt" / "step=3.ckpt")
+    assert len(resumed.losses) == 3
+    torch.testing.assert_close(resumed.losses, whole.losses[3:], rtol=1e-6, atol=0)
+
+
+class _ManualGPT(GPTLightningModule):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        x, y = batch
+        loss = lm_loss(self(x), y)
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+
+def _manual_optimization_matches_ddp(rank: int, world: int, tmp: Path) -> None:
+    data = _dataset(5 * world * BATCH)
+    modules = []
+    for strategy in ("hai_ddp", "ddp"):
+        torch.manual_seed(0)
+        module = _ManualGPT(CFG)
+        module.configure_model()
+        _fit(module, strategy, world, 5, data)
+        modules.append(module)
+    _assert_close(modules[0].model, modules[1].model)
+
+
+def _lightning_demo_model_trains(rank: int, world: int, tmp: Path) -> None:
+    models = []
+    for strategy in ("hai_ddp", "ddp"):
+        torch.manual_seed(0)
+        model = BoringModel()
+        initial = copy.deepcopy(model.layer)
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=world, max_steps=5, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        )  # fmt: skip
+        trainer.fit(model)
+        assert not torch.equal(model.layer.weight, initial.weight)
+        models.append(model)
+    _assert_close(models[0], models[1])
+
+
+def _run_all(rank: int, world: int, tmp: str, checks: list[Any]) -> None:
+    for check in checks:
+        check(rank, world, Path(tmp))
+        dist.barrier()
+
+
+def test_hai_ddp_on_two_processes(tmp_path: Path) -> None:
+    checks = [
+        _parity_with_ddp_and_one_process,
+        _accumulation_matches_ddp,
+        _resume_gives_same_losses,
+        _manual_optimization_matches_ddp,
+        _lightning_demo_model_trains,
+    ]
+    run_distributed(_run_all, 2, str(tmp_path), checks, timeout=240)
+
+
+def _two_hosts(rank: int, world: int, tmp: Path) -> None:
+    data = _dataset(4 * world * BATCH)
+    ours, theirs = _gpt_module(), _gpt_module()
+    ref = _reference(ours, world, 4, data)
+    trainer = _fit(ours, "hai_ddp", world, 4, data, devices=2, num_nodes=2)
+    assert trainer.strategy.model is ours  # unwrapped after fit
+    _fit(theirs, "ddp", world, 4, data, devices=2, num_nodes=2)
+    _assert_close(ours.model, ref)
+    _assert_close(ours.model, theirs.model)
+
+
+def test_hai_ddp_on_two_hosts_of_two_ranks(tmp_path: Path) -> None:
+    run_distributed(_run_all, 4, str(tmp_path), [_two_hosts], node_ids=["a", "a", "b", "b"], timeout=240)
