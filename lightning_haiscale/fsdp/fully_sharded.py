@@ -1,0 +1,355 @@
+"""``FullyShardedDataParallel``: ZeRO-3 sharding of a module over the hfreduce engine.
+
+[Note: schedule]
+Forward: a unit's pre-forward hook waits for (or starts) its all-gather, starts the next unit's
+all-gather (forward order recorded in the first forward), and installs the unsharded views; its
+post-forward hook reshards it (the root stays unsharded: its backward comes first) and registers a
+pre-backward hook on its outputs. Backward: the pre-backward hook unshards the unit again and, with
+``BACKWARD_PRE``, starts the all-gather of the next unit in backward order (recorded in the first
+backward); the post-accumulate-grad hook of the unit's flat tensor (see param_group [Note: unsharded
+views and storage]) starts the averaging reduce-scatter (with ``BACKWARD_POST``, after starting the
+next all-gather) and reshards. A callback queued on the autograd engine by the root's pre-backward hook
+waits for every reduce-scatter once the whole backward is done, and gives the pieces their ``.grad``.
+All ranks must run the same units in the same order, as with torch FSDP.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_haiscale.fsdp.api import BackwardPrefetch, MixedPrecision, StateDictType
+from lightning_haiscale.fsdp.collectives import all_reduce_sum
+from lightning_haiscale.fsdp.deferred_init import materialize_unit
+from lightning_haiscale.fsdp.param_group import FSDPParamGroup, ShardState
+from lightning_haiscale.fsdp.wrap import AutoWrapPolicy, assign_params, unit_modules, unit_scopes
+from lightning_haiscale.hfreduce import Communicator
+
+__all__ = ["FullyShardedDataParallel"]
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards ``module``'s parameters, gradients and optimizer state over the ranks of ``process_group``.
+
+    Build the optimizer after wrapping, from ``model.parameters()``: it sees only this rank's pieces.
+
+    Args:
+        module: the model; parameters may be on the meta device (materialized unit by unit, see
+            ``param_init_fn``), so the whole model never exists on one rank.
+        process_group: ranks to shard over (default: the world). Ignored when ``communicator`` is given.
+        auto_wrap_policy: which submodules become units of their own (see ``wrap.AutoWrapPolicy``);
+            ``None``: one unit for the whole model.
+        backward_prefetch: when backward prefetches the next unit (``None``: no backward prefetch).
+        reshard_after_forward: free each non-root unit's full parameters after its forward.
+        mixed_precision: dtypes of the gathered parameters and of gradient reduction.
+        device_id: device of the shards (an index means a CUDA device); default the parameters' device.
+        param_init_fn: ``fn(module)`` initializing a module's meta-device parameters in place;
+            default ``module.reset_parameters()``.
+        communicator: an existing engine to share (its group is used).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        auto_wrap_policy: AutoWrapPolicy | None = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        reshard_after_forward: bool = True,
+        mixed_precision: MixedPrecision | None = None,
+        device_id: int | torch.device | None = None,
+        *,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        communicator: Communicator | None = None,
+    ) -> None:
+        super().__init__()
+        _check_args(module, backward_prefetch, mixed_precision)
+        self.module = module
+        self.backward_prefetch = backward_prefetch
+        self.reshard_after_forward = reshard_after_forward
+        self.mixed_precision = mixed_precision
+        self.comm = communicator if communicator is not None else Communicator(process_group)
+        self.device = _resolve_device(device_id, module)
+        units = unit_modules(module, auto_wrap_policy)
+        self._groups = self._build_groups(units, param_init_fn)
+        self._root_group = self._groups.get(module)
+        self._named_pieces = list(module.named_parameters(remove_duplicate=False))
+        self._state_dict_keys = list(module.state_dict(keep_vars=True).keys())
+        _move_buffers(module, self.device)
+        self._register_hooks()
+        self._sync_grads = True
+        self._forward_order: list[FSDPParamGroup] | None = None
+        self._backward_order: list[FSDPParamGroup] | None = None
+        self._recording: list[FSDPParamGroup] = []
+        self._pre_backward_done: set[int] = set()
+        self._callback_queued = False
+        self._state_dict_type = StateDictType.FULL
+
+    # ------------------------------------------------------------------------ construction
+
+    def _build_groups(
+        self, units: list[nn.Module], param_init_fn: Callable[[nn.Module], None] | None
+    ) -> dict[nn.Module, FSDPParamGroup]:
+        """Materializes and shards the units innermost first, so one unit at a time is whole."""
+        owned = assign_params(self.module, units)
+        scopes = unit_scopes(self.module, units)
+        shapes: dict[int, torch.Size] = {}
+        groups: dict[nn.Module, FSDPParamGroup] = {}
+        for unit in reversed(units):
+            refs = owned[unit]
+            materialize_unit(refs, scopes[unit], self.device, param_init_fn, shapes)
+            if not refs:
+                continue
+            group = FSDPParamGroup(refs, self.comm, self.device, self.mixed_precision)
+            refs.clear()  # drop the last references to the whole parameters
+            shapes.update((id(piece), info.shape) for piece, info in zip(group.pieces, group.infos, strict=True))
+            groups[unit] = group
+        return dict(reversed(groups.items()))
+
+    def _register_hooks(self) -> None:
+        for unit, group in self._groups.items():
+            if group.requires_grad:
+                group.full.register_post_accumulate_grad_hook(functools.partial(self._post_backward, group))
+            if unit is not self.module:
+                unit.register_forward_pre_hook(functools.partial(self._unit_pre_forward, group))
+                unit.register_forward_hook(functools.partial(self._unit_post_forward, group))
+
+    # ----------------------------------------------------------------------------- forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._pre_backward_done.clear()
+        self._callback_queued = False
+        if self._root_group is not None:
+            self._pre_forward(self._root_group)
+        if self.mixed_precision is not None and self.mixed_precision.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), self.mixed_precision.param_dtype)
+        output = self.module(*args, **kwargs)
+        if self._forward_order is None:
+            self._forward_order, self._recording = self._recording, []
+        tensors = _grad_tensors(output) if torch.is_grad_enabled() else []
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
+        else:  # no backward will follow
+            for group in self._groups.values():
+                group.reshard()
+        return output
+
+    def _pre_forward(self, group: FSDPParamGroup) -> None:
+        if self._forward_order is None and group not in self._recording:
+            self._recording.append(group)
+        group.unshard()
+        group.wait_unshard()
+        _prefetch_after(self._forward_order, group)
+        group.use_unsharded_views()
+
+    def _unit_pre_forward(self, group: FSDPParamGroup, module: nn.Module, args: Any) -> None:
+        self._pre_forward(group)
+
+    def _unit_post_forward(self, group: FSDPParamGroup, module: nn.Module, args: Any, output: Any) -> None:
+        if self.reshard_after_forward:
+            group.reshard()
+        tensors = _grad_tensors(output) if torch.is_grad_enabled() else []
+        if tensors:
+            hook = functools.partial(self._pre_backward, group)
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+
+    # ---------------------------------------------------------------------------- backward
+
+    def _root_pre_backward(self, grad: torch.Tensor | None = None) -> None:
+        if not self._callback_queued:
+            # The documented way to run code after the whole backward, as torch DDP and FSDP do.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            self._callback_queued = True
+        if self._root_group is not None:
+            self._pre_backward(self._root_group)
+
+    def _pre_backward(self, group: FSDPParamGroup, grad: torch.Tensor | None = None) -> None:
+        if id(group) in self._pre_backward_done:
+            return
+        self._pre_backward_done.add(id(group))
+        if self._backward_order is None:
+            self._recording.append(group)
+        group.unshard()
+        group.wait_unshard()
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            _prefetch_after(self._backward_order, group)
+
+    def _post_backward(self, group: FSDPParamGroup, full: torch.Tensor) -> None:
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            _prefetch_after(self._backward_order, group)
+        group.reduce_grad(sync=self._sync_grads)
+
+    def _finalize_backward(self) -> None:
+        for group in self._groups.values():
+            group.finalize_grads()
+        if self._backward_order is None:
+            self._backward_order, self._recording = self._recording, []
+        self._pre_backward_done.clear()
+        self._callback_queued = False
+
+    # ------------------------------------------------------------------------- public API
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's pieces under the original parameter names (no ``module.`` prefix)."""
+        seen: set[int] = set()
+        for name, piece in self._named_pieces:
+            if remove_duplicate and id(piece) in seen:
+                continue
+            seen.add(id(piece))
+            yield (f"{prefix}.{name}" if prefix else name), piece
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate unsharded gradients locally; the first one outside reduces them."""
+        previous, self._sync_grads = self._sync_grads, False
+        try:
+            yield
+        finally:
+            self._sync_grads = previous
+
+    @contextmanager
+    def summon_full_params(self, writeback: bool = True, rank0_only: bool = False) -> Iterator[None]:
+        """Inside, the wrapped module holds its whole parameters (on rank 0 only with ``rank0_only``).
+
+        Args:
+            writeback: copy changes made inside back into the shards on exit.
+            rank0_only: only rank 0 keeps the whole parameters (then ``writeback`` must be False).
+        """
+        if rank0_only and writeback:
+            raise ValueError(
+                "summon_full_params(writeback=True, rank0_only=True) is not supported; pass writeback=False"
+            )
+        if any(g.state is not ShardState.SHARDED for g in self._groups.values()):
+            raise RuntimeError("summon_full_params() cannot run inside forward or backward; call it between steps")
+        summoned: list[tuple[FSDPParamGroup, torch.Tensor]] = []
+        try:
+            for group in self._groups.values():
+                full = group.gather_full()
+                if not rank0_only or self.comm.rank == 0:
+                    views = group.full_views(full)
+                    group._set(
+                        [
+                            nn.Parameter(v, requires_grad=p.requires_grad)
+                            for v, p in zip(views, group.pieces, strict=True)
+                        ]
+                    )
+                    summoned.append((group, full))
+            yield
+        finally:
+            for group, full in summoned:
+                if writeback:
+                    group.write_back(full)
+                group.use_pieces()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scales the gradients so that their norm over all ranks is at most ``max_norm``; returns that norm."""
+        norm_type = float(norm_type)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if norm_type == math.inf:
+            local = max((g.detach().abs().max() for g in grads if g.numel()), default=torch.zeros(()))
+            total = local.to(self.device, torch.float32).reshape(1)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.comm.group)
+        else:
+            local = torch.zeros((), dtype=torch.float64)
+            for g in grads:
+                local = local + g.detach().double().abs().pow(norm_type).sum().cpu()
+            total = all_reduce_sum(self.comm, local.to(self.device).reshape(1)) ** (1.0 / norm_type)
+        total = total.reshape(())
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total.float()
+
+    @contextmanager
+    def state_dict_type(self, kind: StateDictType | str) -> Iterator[None]:
+        """``state_dict()`` and ``load_state_dict()`` use ``kind`` inside (default ``FULL``)."""
+        previous, self._state_dict_type = self._state_dict_type, StateDictType(kind)
+        try:
+            yield
+        finally:
+            self._state_dict_type = previous
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """Full (rank 0, CPU; empty elsewhere) or sharded, per :meth:`state_dict_type`. Collective."""
+        from lightning_haiscale.fsdp.state_dict import full_state_dict, sharded_state_dict
+
+        return full_state_dict(self) if self._state_dict_type is StateDictType.FULL else sharded_state_dict(self)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Loads a full state dict (on every rank) or this world's sharded ones, per :meth:`state_dict_type`."""
+        from lightning_haiscale.fsdp.state_dict import load_full_state_dict, load_sharded_state_dict
+
+        if self._state_dict_type is StateDictType.FULL:
+            return load_full_state_dict(self, state_dict, strict=strict)
+        return load_sharded_state_dict(self, [state_dict], strict=strict)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)
+
+
+def _check_args(module: nn.Module, prefetch: Any, mixed_precision: Any) -> None:
+    if not isinstance(module, nn.Module) or isinstance(module, FullyShardedDataParallel):
+        raise TypeError(f"module must be an nn.Module not already wrapped, got {type(module).__name__}")
+    if prefetch is not None and not isinstance(prefetch, BackwardPrefetch):
+        raise TypeError(f"backward_prefetch={prefetch!r} must be a BackwardPrefetch member or None")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(f"mixed_precision={mixed_precision!r} must be a lightning_haiscale.fsdp.MixedPrecision")
+
+
+def _resolve_device(device_id: int | torch.device | None, module: nn.Module) -> torch.device:
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    if device_id is not None:
+        return torch.device(device_id)
+    devices = {p.device for p in module.parameters() if not p.is_meta}
+    return next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.device != device:
+                sub._buffers[name] = buffer.to(device)
+
+
+def _prefetch_after(order: list[FSDPParamGroup] | None, group: FSDPParamGroup) -> None:
+    """Starts the all-gather of the unit after ``group`` in a recorded order."""
+    if order is None or group not in order:
+        return
+    index = order.index(group)
+    if index + 1 < len(order):
+        order[index + 1].unshard(async_op=True)
+
+
+def _grad_tensors(output: Any) -> list[torch.Tensor]:
+    """Tensors in a (nested) output that will receive gradients."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _grad_tensors(item)]
+    return []
+
+
+def _cast_floats(value: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    return value

@@ -1,0 +1,265 @@
+"""FullyShardedDataParallel against a single process: parity, memory, gradients, checkpoints, init.
+
+Each test spawns its ranks once and checks several things in that run (2 shared cores)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+from examples.gpt.model import GPT, MLP, Block, Embeddings, LMHead
+from lightning_haiscale.fsdp import (
+    BackwardPrefetch,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardState,
+    StateDictType,
+    full_optim_state_dict,
+    full_state_dict,
+    load_full_optim_state_dict,
+    load_full_state_dict,
+    load_sharded_optim_state_dict,
+    load_sharded_state_dict,
+    sharded_optim_state_dict,
+    sharded_state_dict,
+)
+from tests.distributed import run_distributed
+from tests.fsdp.helpers import CFG, LR, MAX_NORM, batches, local, loss_of, make_model, max_rel_error, reference_run
+
+STEPS = 10
+POLICIES = {
+    # world: (policy, prefetch) -- nested units at 2, size-based at 3, transformer policy at 4
+    2: ({Block, MLP, Embeddings, LMHead}, BackwardPrefetch.BACKWARD_PRE),
+    3: (functools.partial(size_based_auto_wrap_policy, min_num_params=5_000), BackwardPrefetch.BACKWARD_POST),
+    4: (functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}), BackwardPrefetch.BACKWARD_PRE),
+}
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _error_against_reference(state_dict: dict[str, torch.Tensor], world: int) -> float:
+    _, ref_state = reference_run(batches(STEPS, 2 * world), world, clip=True)
+    return max_rel_error(state_dict, ref_state)
+
+
+def _parity(rank: int, world: int) -> dict:
+    policy, prefetch = POLICIES[world]
+    model = FullyShardedDataParallel(make_model(), auto_wrap_policy=policy, backward_prefetch=prefetch)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    assert full_state_dict(model) == {} or rank == 0  # full state dict: rank 0 only
+    losses = []
+    for batch in batches(STEPS, 2 * world):
+        loss = loss_of(model, local(batch, rank, world))
+        loss.backward()
+        model.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        losses.append(loss.detach().reshape(1))
+    mean_losses = torch.cat(losses)
+    model.comm.all_reduce(mean_losses, op="avg")
+    state_dict = model.state_dict()  # collective: every rank calls it
+    groups = list(model._groups.values())
+    state = [t for s in opt.state.values() for t in s.values() if t.dim() > 0]
+    return {
+        "losses": mean_losses.tolist(),
+        "error": _error_against_reference(state_dict, world) if rank == 0 else None,
+        "names": [n for n, _ in model.named_parameters()],
+        "units": len(groups),
+        "bytes": _bytes([*model.parameters(), *(p.grad for p in model.parameters()), *state]),
+        "all_freed": all(g.full.untyped_storage().nbytes() == 0 and g.state is ShardState.SHARDED for g in groups),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_parity_memory_and_names(world: int) -> None:
+    results = run_distributed(_parity, world)
+    ref_losses, _ = reference_run(batches(STEPS, 2 * world), world, clip=True)
+    torch.testing.assert_close(results[0]["losses"], ref_losses, rtol=1e-5, atol=0)
+    assert results[0]["error"] < 1e-5
+    ref_model = make_model()
+    assert results[0]["names"] == [n for n, _ in ref_model.named_parameters()]  # original names, tied once
+    # parameters + gradients + AdamW's two moments, 4 bytes each: 1/world of the whole, within padding
+    total = 4 * _bytes(list(ref_model.parameters()))
+    for r in results:
+        assert r["all_freed"] and r["units"] > 1
+        assert abs(r["bytes"] - total / world) <= 16 * r["units"] * world
+
+
+def _train(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor], rank: int, world: int
+) -> list[float]:
+    losses = []
+    for batch in data:
+        loss = loss_of(model, local(batch, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().reshape(1)
+        model.comm.all_reduce(value, op="avg")
+        losses.append(value.item())
+    return losses
+
+
+def _wrap(policy: object = None, **kwargs: object) -> FullyShardedDataParallel:
+    return FullyShardedDataParallel(make_model(), auto_wrap_policy=policy or {Block, Embeddings, LMHead}, **kwargs)
+
+
+def _save_and_resume(rank: int, world: int, tmp: str) -> dict:
+    path = Path(tmp)
+    data = batches(6, 6)
+    model = _wrap()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    _train(model, opt, data[:3], rank, world)
+    full, full_optim = full_state_dict(model), full_optim_state_dict(model, opt)
+    if rank == 0:
+        torch.save(full, path / "full.pt")
+        torch.save(full_optim, path / "full_optim.pt")
+    torch.save(sharded_state_dict(model), path / f"model_{rank}.pt")
+    torch.save(sharded_optim_state_dict(model, opt), path / f"optim_{rank}.pt")
+    model.comm.barrier()
+    expected = _train(model, opt, data[3:], rank, world)
+
+    resumed = {}
+    for kind in ("full", "sharded"):
+        fresh = _wrap(policy=ModuleWrapPolicy({Block}))  # another wrapping reads the same checkpoint
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
+        if kind == "full":
+            load_full_state_dict(fresh, torch.load(path / "full.pt", mmap=True))
+            load_full_optim_state_dict(fresh, fresh_opt, torch.load(path / "full_optim.pt", mmap=True))
+        else:
+            load_sharded_state_dict(fresh, (torch.load(path / f"model_{r}.pt", mmap=True) for r in range(world)))
+            shards = (torch.load(path / f"optim_{r}.pt", mmap=True) for r in range(world))
+            load_sharded_optim_state_dict(fresh, fresh_opt, shards)
+        resumed[kind] = _train(fresh, fresh_opt, data[3:], rank, world)
+    bare_loads = True
+    if rank == 0:
+        bare = GPT(CFG)
+        bare.load_state_dict(torch.load(path / "full.pt", weights_only=True))  # plain torch into the bare module
+        bare_loads = max_rel_error(bare.state_dict(), full) == 0
+    return {"expected": expected, "resumed": resumed, "bare_loads": bare_loads}
+
+
+def _resume_elsewhere(rank: int, world: int, tmp: str, saved_world: int) -> list[float]:
+    path = Path(tmp)
+    model = _wrap(policy={Block})
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with model.state_dict_type(StateDictType.SHARDED):
+        assert model.state_dict()["world_size"] == world
+    load_sharded_state_dict(model, (torch.load(path / f"model_{r}.pt", mmap=True) for r in range(saved_world)))
+    shards = (torch.load(path / f"optim_{r}.pt", mmap=True) for r in range(saved_world))
+    load_sharded_optim_state_dict(model, opt, shards)
+    return _train(model, opt, batches(6, 6)[3:], rank, world)
+
+
+def test_checkpoints_round_trip_and_resume_on_other_world_size(tmp_path: Path) -> None:
+    results = run_distributed(_save_and_resume, 2, str(tmp_path))
+    expected = results[0]["expected"]
+    for kind in ("full", "sharded"):
+        assert results[0]["resumed"][kind] == pytest.approx(expected, rel=1e-6), kind
+    assert results[0]["bare_loads"]
+    elsewhere = run_distributed(_resume_elsewhere, 3, str(tmp_path), 2)
+    assert elsewhere[0] == pytest.approx(expected, rel=1e-5)
+
+
+def _grad_pieces(model: FullyShardedDataParallel) -> dict[str, torch.Tensor]:
+    out = {}
+    for group in model._groups.values():
+        for info, piece in zip(group.infos, group.pieces, strict=True):
+            out[info.fqns[0]] = (info, piece.grad.clone())
+    return out
+
+
+def _features(rank: int, world: int) -> dict:
+    data = batches(2, 8)
+    # no_sync: two micro-batches accumulate locally, the second backward reduces
+    model = _wrap(backward_prefetch=BackwardPrefetch.BACKWARD_POST, reshard_after_forward=False)
+    with model.no_sync():
+        loss_of(model, local(data[0], rank, world)).backward()
+    loss_of(model, local(data[1], rank, world)).backward()
+    pieces = _grad_pieces(model)
+    ref = make_model()
+    (loss_of(ref, data[0]) + loss_of(ref, data[1])).backward()
+    ref_grads = dict(ref.named_parameters())
+    no_sync_error = max(
+        (
+            (g - ref_grads[name].grad.reshape(-1)[info.piece_start : info.piece_end]).abs().max().item()
+            if g.numel()
+            else 0
+        )
+        for name, (info, g) in pieces.items()
+    )
+    # summon_full_params: changes inside are written back; rank0_only shows whole tensors on rank 0 only
+    before = full_state_dict(model, rank0_only=False)
+    with model.summon_full_params():
+        shapes = [tuple(p.shape) for p in model.module.parameters()]
+        for p in model.module.parameters():
+            p.data.mul_(2)
+    after = full_state_dict(model, rank0_only=False)
+    doubled = all(torch.equal(after[k], 2 * v) for k, v in before.items())
+    with model.summon_full_params(writeback=False, rank0_only=True):
+        rank0_shapes = [tuple(p.shape) for p in model.module.parameters()]
+    # bf16 mixed precision: same loss within bf16 rounding, fp32 shards and gradients
+    mp = _wrap(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    mp_loss = loss_of(mp, local(data[0], rank, world))
+    mp_loss.backward()
+    fp32_loss = loss_of(make_model(), local(data[0], rank, world)).item()
+    return {
+        "no_sync_error": no_sync_error,
+        "shapes": shapes,
+        "rank0_shapes": rank0_shapes,
+        "doubled": doubled,
+        "mp": (mp_loss.item(), fp32_loss, {p.grad.dtype for p in mp.parameters()}),
+        "ref_shapes": [tuple(p.shape) for p in ref.parameters()],
+        "deferred": _deferred(),
+    }
+
+
+def _init(module: torch.nn.Module) -> None:
+    """Deterministic per parameter name and size, whatever the order of calls."""
+    with torch.no_grad():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.is_meta:
+                g = torch.Generator().manual_seed(p.numel() + len(name))
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def _deferred() -> dict:
+    """Meta-device model materialized unit by unit: never more than one unit whole at a time."""
+    with torch.device("meta"):
+        root = GPT(CFG)
+    whole = []
+
+    def init(module: torch.nn.Module) -> None:
+        _init(module)
+        whole.append(sum(p.numel() for p in root.parameters() if not p.is_meta and p.dim() > 1))
+
+    model = FullyShardedDataParallel(root, auto_wrap_policy={Block}, param_init_fn=init)
+    eager = make_model()
+    for module in eager.modules():
+        _init(module)
+    return {
+        "max_whole": max(whole),
+        "error": max_rel_error(full_state_dict(model, rank0_only=False), eager.state_dict()),
+    }
+
+
+def test_no_sync_summon_mixed_precision_and_deferred_init() -> None:
+    results = run_distributed(_features, 2)
+    for r in results:
+        assert r["no_sync_error"] < 1e-6
+        assert r["doubled"]
+        assert r["shapes"] == r["ref_shapes"]
+        mp_loss, fp32_loss, grad_dtypes = r["mp"]
+        assert mp_loss == pytest.approx(fp32_loss, rel=2e-2) and grad_dtypes == {torch.float32}
+    assert results[0]["rank0_shapes"] == results[0]["ref_shapes"]
+    assert all(len(s) == 1 for s in results[1]["rank0_shapes"])  # rank 1 keeps its 1-D pieces
+    block = 12 * CFG.n_embd**2  # the largest unit: one Block's weight matrices
+    for r in results:
+        assert r["deferred"]["error"] == 0
+        assert r["deferred"]["max_whole"] == block
