@@ -37,10 +37,10 @@ namespace hfreduce {
 // publish the data of step 1; the waiter's acquire load makes it visible.
 //
 // [Note: staging buffers]
-// Chunks are staged in two sets of per-rank slots and the sets alternate. A rank writes set s again two
-// chunks later, only after passing a barrier of the chunk in between, which every peer reaches only
-// after it finished reading set s. So one barrier per chunk suffices for copy-in/reduce-all ops, and
-// two for reduce-scatter style all-reduce (stage | barrier | reduce own slice | barrier | copy out).
+// Chunks are staged in three sets of per-rank slots used in rotation. A rank writes a set again only
+// after passing a barrier that every peer reaches after it finished reading that set's previous chunk.
+// So copy-in/read-all collectives (small all-reduce, reduce-scatter, all-gather, broadcast) take one
+// barrier per chunk, and so does the pipelined all-reduce (see [Note: all-reduce of an ordinary tensor]).
 
 namespace {
 constexpr uint64_t kMagic = 0x6866726564756365ULL;  // "hfreduce"
@@ -48,6 +48,7 @@ constexpr int kMaxLocalRanks = 256;
 constexpr size_t kSmallChunkBytes = 32 << 10;  // below this every rank reduces the whole chunk
 constexpr size_t kAlign = 64;
 constexpr size_t kBufferBlockBytes = 256 << 10;
+constexpr int kStagingSets = 3;  // see [Note: staging buffers]
 
 struct alignas(64) PeerState {
   std::atomic<uint32_t> seq;
@@ -150,7 +151,7 @@ SharedBuffer::SharedBuffer(const std::string& name, size_t region_bytes, int loc
 // ------------------------------------------------------------------------------------- Communicator
 
 size_t Communicator::segment_bytes(int local_size, size_t slot_bytes) {
-  return round_up(sizeof(Header), 4096) + 2 * static_cast<size_t>(local_size) * slot_bytes;
+  return round_up(sizeof(Header), 4096) + kStagingSets * static_cast<size_t>(local_size) * slot_bytes;
 }
 
 Communicator::Communicator(Config config)
@@ -318,7 +319,7 @@ char* Communicator::staging(int set, int rank) const {
 
 int Communicator::next_set() {
   const int set = set_;
-  set_ ^= 1;
+  set_ = (set_ + 1) % kStagingSets;
   return set;
 }
 
@@ -361,45 +362,60 @@ std::shared_ptr<Work> Communicator::barrier(bool blocking) {
 }
 
 void Communicator::run_all_reduce(const char* src, char* dst, size_t count, DType dtype, double divisor) {
-  // [Note: all-reduce of an ordinary tensor] per chunk: each rank stages only the slices the others
-  // reduce | barrier | reduces its own slice straight from `src` and the peers' staging, into `dst`
-  // and its staging | barrier | copies the peers' reduced slices out. Chunks below kSmallChunkBytes
-  // skip the second barrier: everyone stages everything and reduces the whole chunk.
   const size_t es = element_size(dtype);
-  const size_t chunk = config_.slot_bytes / es;
   const int ranks = config_.local_size;
   const int me = config_.local_rank;
   std::vector<const void*> srcs(ranks);
-  for (size_t off = 0; off < count; off += chunk) {
-    const size_t n = std::min(chunk, count - off);
-    const int set = next_set();
-    const char* in = src + off * es;
-    char* out = dst + off * es;
-    if (n * es <= kSmallChunkBytes || ranks == 1) {
-      std::memcpy(staging(set, me), in, n * es);
+  if (count * es <= kSmallChunkBytes || ranks == 1) {
+    // Small: one chunk, one barrier, and every rank reduces all of it.
+    const size_t chunk = config_.slot_bytes / es;
+    for (size_t off = 0; off < count; off += chunk) {
+      const size_t n = std::min(chunk, count - off);
+      const int set = next_set();
+      std::memcpy(staging(set, me), src + off * es, n * es);
       arrive_and_wait();
       for (int k = 0; k < ranks; ++k) srcs[k] = staging(set, k);
-      reduce(dtype, out, srcs.data(), ranks, n, divisor);
-      continue;
+      reduce(dtype, dst + off * es, srcs.data(), ranks, n, divisor);
     }
-    for (int k = 0; k < ranks; ++k) {
-      const auto [b, e] = slice(n, ranks, k, es);
-      if (k != me) std::memcpy(staging(set, me) + b * es, in + b * es, (e - b) * es);
+    return;
+  }
+  // [Note: all-reduce of an ordinary tensor] Chunk k passes through: stage (each rank copies in only
+  // the slices its peers reduce) | reduce its own slice, straight from `src` and the peers' staging,
+  // into `dst` and its staging | copy the peers' reduced slices out. One barrier per chunk separates
+  // "reduce k, stage k+1" from "copy out k": with three staging sets, the set that chunk k+3 overwrites
+  // was last read by a peer's copy-out of chunk k, which finished before that peer's next barrier.
+  const size_t chunk = config_.slot_bytes / es;
+  const size_t chunks = (count + chunk - 1) / chunk;
+  auto bounds = [&](size_t k) { return std::make_pair(k * chunk, std::min(chunk, count - k * chunk)); };
+  auto stage = [&](size_t k, int set) {
+    const auto [off, n] = bounds(k);
+    for (int r = 0; r < ranks; ++r) {
+      const auto [b, e] = slice(n, ranks, r, es);
+      if (r != me) std::memcpy(staging(set, me) + b * es, src + (off + b) * es, (e - b) * es);
     }
-    arrive_and_wait();
+  };
+  const size_t block = std::max<size_t>(1, kBufferBlockBytes / es);
+  int set = next_set();
+  stage(0, set);
+  arrive_and_wait();
+  for (size_t k = 0; k < chunks; ++k) {
+    const auto [off, n] = bounds(k);
     const auto [begin, end] = slice(n, ranks, me, es);
-    const size_t block = std::max<size_t>(1, kBufferBlockBytes / es);
+    char* out = dst + off * es;
     for (size_t b = begin; b < end; b += block) {
       const size_t len = std::min(block, end - b);
-      for (int k = 0; k < ranks; ++k) srcs[k] = (k == me ? in : staging(set, k)) + b * es;
+      for (int r = 0; r < ranks; ++r) srcs[r] = (r == me ? src + off * es : staging(set, r)) + b * es;
       reduce(dtype, out + b * es, srcs.data(), ranks, len, divisor);
       std::memcpy(staging(set, me) + b * es, out + b * es, len * es);
     }
+    const int next = k + 1 < chunks ? next_set() : set;
+    if (k + 1 < chunks) stage(k + 1, next);
     arrive_and_wait();
-    for (int k = 0; k < ranks; ++k) {
-      const auto [b, e] = slice(n, ranks, k, es);
-      if (k != me) std::memcpy(out + b * es, staging(set, k) + b * es, (e - b) * es);
+    for (int r = 0; r < ranks; ++r) {
+      const auto [b, e] = slice(n, ranks, r, es);
+      if (r != me) std::memcpy(out + b * es, staging(set, r) + b * es, (e - b) * es);
     }
+    set = next;
   }
 }
 

@@ -64,7 +64,7 @@ struct Config {
   int local_rank = 0;
   int local_size = 1;
   bool create = false;        // the creator (local rank 0) makes and later unlinks the segment
-  size_t slot_bytes = 1 << 20;  // staging chunk per rank; two sets of them double-buffer
+  size_t slot_bytes = 1 << 20;  // staging chunk per rank; three sets of them rotate
   double timeout_s = 300;     // deadline of every wait on a peer
   int spin_iters = 0;         // busy-wait this often before sleeping (0 when ranks share cores)
 };
@@ -129,7 +129,7 @@ class Communicator {
   Header* header_;
   char* data_;
   uint32_t generation_ = 0;  // barriers this rank has passed
-  int set_ = 0;              // staging set the next chunk uses
+  int set_ = 0;              // staging set the next chunk uses (of kStagingSets)
 
   std::mutex mu_;
   std::condition_variable cv_;
