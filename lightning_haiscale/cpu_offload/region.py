@@ -108,7 +108,7 @@ class _Offloaded:
         self.dtype = tensor.dtype
         self.size = tensor.size()
         self.stride = tensor.stride()
-        self.offset = offset  # in elements, from the start of the copied span
+        self.offset = offset  # in bytes, from the start of the copied span
 
     def __del__(self) -> None:
         self.run.drop_handle(self.stored)
@@ -173,7 +173,7 @@ class _Run:
             if seen.stored is None:
                 return _Resident(seq, t.detach())
             seen.stored.handles += 1
-            return _Offloaded(self, seen.stored, seq, t, t.storage_offset() - start // t.element_size())
+            return _Offloaded(self, seen.stored, seq, t, t.storage_offset() * t.element_size() - start)
 
     def _counts(self, t: torch.Tensor) -> bool:
         if _is_parameter(t) or type(t) is not torch.Tensor or t.layout != torch.strided:
@@ -277,8 +277,10 @@ class _Run:
                 self._ahead_bytes -= stored.nbytes if stored.prefetched else 0
             data, done = stored.restored, stored.done
         stored.transfer.before_use(data, done)
+        # ``data`` is the span: a fresh allocation, or a view into the original storage when reused.
+        offset = (data.storage_offset() + handle.offset) // handle.dtype.itemsize
         view = torch.empty(0, dtype=handle.dtype, device=data.device)
-        return view.set_(data.untyped_storage(), handle.offset, handle.size, handle.stride)
+        return view.set_(data.untyped_storage(), offset, handle.size, handle.stride)
 
     def _prefetch(self, seq: int) -> None:
         """Starts copies back of the offloaded spans saved before ``seq`` (needed next), within the window."""

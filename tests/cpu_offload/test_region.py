@@ -184,17 +184,25 @@ def test_bad_sizes_name_the_parameter(name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("ratio", [0.3, 1.0])
-def test_cuda_gradients_bitwise_equal(ratio):
+def test_cuda_gradients_match(ratio):
+    """Bitwise where two reference runs agree bitwise (CUDA backward kernels may use atomics)."""
     torch.manual_seed(0)
     model = GPT(config("tiny")).cuda()
     idx = torch.randint(0, 256, (4, 256), device="cuda")
     targets = torch.roll(idx, -1, dims=1)
     want = _grads(model, idx, targets)
+    deterministic = all(torch.equal(a, b) for a, b in zip(_grads(model, idx, targets), want, strict=True))
     tag = _tag()
     for _ in range(3):  # small windows: forces throttling, prefetch and buffer reuse
         region = CPUOffload(ratio, tag, min_bytes=0, max_inflight_bytes=1 << 20, prefetch_bytes=1 << 20)
-        _assert_bitwise_equal(_grads(model, idx, targets, region), want)
-    assert offload_stats(tag).bytes_offloaded > 0
+        got = _grads(model, idx, targets, region)
+        if deterministic:
+            _assert_bitwise_equal(got, want)
+        else:
+            torch.testing.assert_close(got, want)
+    stats = offload_stats(tag)
+    assert stats.bytes_offloaded > 0 and stats.copy_seconds > 0
+    assert abs(stats.achieved_ratio - ratio) < 0.1
 
 
 class _Event:
@@ -263,3 +271,19 @@ def test_graph_dropped_before_backward_protects_copies_in_flight(gpt, slow_trans
     del loss  # no backward: the held device bytes are released while their copies "run"
     (transfer,) = slow_transfer
     assert transfer.kept > 0 and transfer.waited == 0
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["copied-back", "source-reused"])
+def test_slices_of_large_storages_copy_only_their_span(slow, request):
+    if slow:
+        request.getfixturevalue("slow_transfer")
+    big = torch.randn(1000, 64)
+    w = torch.randn(64, 8, requires_grad=True)
+    with CPUOffload(1.0, min_bytes=0, force_copy=True) as region:
+        loss = (big[500:510] @ w).sum() + (big[600:620, ::2] @ w[::2]).sum()  # a slice, a strided slice
+    assert region.stats().bytes_saved == 10 * 64 * 4 + (19 * 64 + 63) * 4  # spans, not the whole storage
+    loss.backward()
+    want = w.grad.clone()
+    w.grad = None
+    ((big[500:510] @ w).sum() + (big[600:620, ::2] @ w[::2]).sum()).backward()
+    assert torch.equal(w.grad, want)
