@@ -163,5 +163,6 @@ def _ddp_worker(rank: int, world_size: int, strategy: str) -> bool:
     return all(module.hooks_in_forward) and not any(module.hooks_after_backward)
 
 
-def test_under_ddp_on_two_processes():
-    assert run_distributed(_ddp_worker, 2, "ddp") == [True, True]
+@pytest.mark.parametrize("strategy", ["hai_ddp", "ddp"])
+def test_under_ddp_on_two_processes(strategy):
+    assert run_distributed(_ddp_worker, 2, strategy) == [True, True]
