@@ -68,6 +68,7 @@ class _Stored:
         "restored",
         "seq",
         "source",
+        "source_ptr",
         "transfer",
         "written",
     )
@@ -79,6 +80,7 @@ class _Stored:
         self.host: HostBuffer | None = host  # held until the bytes are back on the device
         self.written: torch.cuda.Event | None = None  # end of the copy out
         self.source: torch.Tensor | None = None  # device bytes, held while the copy out may read them
+        self.source_ptr = 0  # where they were: a storage resized meanwhile (FSDP frees so) is not reused
         self.restored: torch.Tensor | None = None  # device bytes for backward
         self.done: torch.cuda.Event | None = None  # end of the copy back
         self.handles = 0  # live saved-tensor handles that point here
@@ -123,6 +125,12 @@ class _Seen:
 def _is_parameter(t: torch.Tensor) -> bool:
     """Parameters, leaves that require grad, and views of them: resident whatever we do."""
     return any(x is not None and (isinstance(x, nn.Parameter) or (x.requires_grad and x.is_leaf)) for x in (t, t._base))
+
+
+def _intact(source: torch.Tensor, ptr: int) -> bool:
+    """Whether ``source`` still views the same live bytes (a storage can be resized under a view)."""
+    end = source.storage_offset() + source.numel()
+    return source.untyped_storage().nbytes() >= end and source.data_ptr() == ptr
 
 
 def _span(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[int, int]:
@@ -199,7 +207,7 @@ class _Run:
         self.bytes_offloaded += nbytes
         self.tensors_offloaded += 1
         if stored.written is not None:
-            stored.source = source
+            stored.source, stored.source_ptr = source, source.data_ptr()
             self._pending.append(stored)
             self._pending_bytes += nbytes
             self._throttle()
@@ -293,8 +301,8 @@ class _Run:
                 self._ahead_bytes += stored.nbytes
 
     def _restore(self, stored: _Stored) -> None:
-        if stored.source is not None:  # the copy out is not retired: the device bytes are still here
-            stored.restored = stored.source
+        if stored.source is not None and _intact(stored.source, stored.source_ptr):
+            stored.restored = stored.source  # the copy out is not retired: the device bytes are still here
             return
         stored.restored, stored.done = stored.transfer.to_device(stored.host, stored.written)
         self.options.pool.release(stored.host, stored.done)

@@ -287,3 +287,24 @@ def test_slices_of_large_storages_copy_only_their_span(slow, request):
     w.grad = None
     ((big[500:510] @ w).sum() + (big[600:620, ::2] @ w[::2]).sum()).backward()
     assert torch.equal(w.grad, want)
+
+
+def test_small_tensors_stay_resident_but_count(gpt):
+    model, idx, targets = gpt
+    with CPUOffload(1.0, min_bytes=1 << 30, force_copy=True) as region:
+        lm_loss(model(idx), targets)
+    stats = region.stats()
+    assert stats.bytes_saved > 0 and stats.bytes_offloaded == 0
+
+
+def test_resized_storage_is_copied_back_not_reused(slow_transfer):
+    x = torch.randn(64, 64)
+    w = torch.randn(64, 64, requires_grad=True)
+    with CPUOffload(1.0, min_bytes=0, force_copy=True):
+        loss = (x @ w).sum()
+    want = x.clone()
+    x.untyped_storage().resize_(0)  # what FSDP does to unsharded parameters after forward
+    loss.backward()
+    got, w.grad = w.grad, None
+    (want @ w).sum().backward()
+    assert torch.equal(got, w.grad)
