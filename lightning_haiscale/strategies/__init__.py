@@ -4,5 +4,6 @@ Importing this package registers every strategy name with Lightning's ``Strategy
 """
 
 from lightning_haiscale.strategies.ddp import HaiDDPStrategy
+from lightning_haiscale.strategies.fsdp import HaiFSDPStrategy
 
-__all__: list[str] = ["HaiDDPStrategy"]
+__all__: list[str] = ["HaiDDPStrategy", "HaiFSDPStrategy"]

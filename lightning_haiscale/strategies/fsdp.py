@@ -1,0 +1,338 @@
+"""``HaiFSDPStrategy`` ("hai_fsdp"): Lightning's adapter for :class:`lightning_haiscale.fsdp.FullyShardedDataParallel`.
+
+[Note: checkpoints]
+``state_dict_type="full"``: one file written by rank 0, Lightning's usual layout, whose ``state_dict`` loads
+with plain ``torch.load`` into the bare LightningModule; optimizer states are keyed by parameter name.
+Every rank memory-maps it to load, so the ranks share one copy in the page cache and each reads only
+its pieces. ``"sharded"``: a folder with ``rank_<r>.pt`` per rank (model and optimizer pieces, see
+``fsdp.state_dict`` [Note: sharded format]) and ``meta.pt`` (everything else); it resumes on any number
+of ranks. Tensors already on the CPU are never copied a second time to "offload" them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import nn
+from typing_extensions import override
+
+from lightning_haiscale.fsdp import (
+    BackwardPrefetch,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    full_optim_state_dict,
+    full_state_dict,
+    load_full_optim_state_dict,
+    load_full_state_dict,
+    load_sharded_optim_state_dict,
+    load_sharded_state_dict,
+    sharded_optim_state_dict,
+    sharded_state_dict,
+)
+from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
+from lightning_haiscale.hfreduce import Communicator
+
+__all__ = ["HaiFSDPStrategy"]
+
+log = logging.getLogger(__name__)
+
+_META_FILE = "meta.pt"
+_WRAPPER_ATTR = "_hai_fsdp_wrapper"  # a LightningModule sharded by an earlier Trainer keeps its wrapper
+
+
+class HaiFSDPStrategy(ParallelStrategy):
+    """Fully sharded data parallel on the hfreduce engine, on CPU and CUDA.
+
+    The model built in ``LightningModule.configure_model`` is created on the meta device and materialized
+    one unit at a time while it is sharded, so it never exists whole on one rank; build the optimizer in
+    ``configure_optimizers`` from ``self.parameters()`` as usual (it sees this rank's pieces).
+
+    Args:
+        auto_wrap_policy: which submodules become units (torch's wrap policies or a set of module classes).
+        backward_prefetch: when backward prefetches the next unit's parameters.
+        reshard_after_forward: free each unit's parameters after its forward.
+        state_dict_type: ``"full"`` (one file, rank 0) or ``"sharded"`` (a folder, one file per rank).
+        param_init_fn: ``fn(module)`` initializing meta-device parameters (default ``reset_parameters()``).
+        timeout: deadline of the process group and of the engine's waits.
+        process_group_backend: torch.distributed backend (default: gloo on CPU, nccl on CUDA).
+    """
+
+    strategy_name = "hai_fsdp"
+
+    def __init__(
+        self,
+        auto_wrap_policy: AutoWrapPolicy | None = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        reshard_after_forward: bool = True,
+        state_dict_type: Literal["full", "sharded"] = "full",
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        timeout: timedelta = default_pg_timeout,
+        process_group_backend: str | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type={state_dict_type!r} must be 'full' or 'sharded'")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.num_nodes = 1
+        self.state_dict_type = state_dict_type
+        self._timeout = timeout
+        self._process_group_backend = process_group_backend
+        self._fsdp_kwargs: dict[str, Any] = {
+            "auto_wrap_policy": auto_wrap_policy,
+            "backward_prefetch": backward_prefetch,
+            "reshard_after_forward": reshard_after_forward,
+            "param_init_fn": param_init_fn,
+        }
+
+    # ------------------------------------------------------------------------- topology
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError("HaiFSDPStrategy has no devices yet; it is set up by the Trainer")
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning injects a DistributedSampler and syncs ``self.log(sync_dist=True)`` (SPEC section 3)."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # checkpoints load into the sharded model and its optimizer
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizer pieces itself
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self.cluster_environment is not None and not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        if self.cluster_environment is None:
+            raise RuntimeError("HaiFSDPStrategy needs a cluster environment; let the Trainer set it")
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+
+    # ---------------------------------------------------------------------------- model
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device; sharding materializes one unit at a time."""
+        device = nullcontext() if empty_init is False else torch.device("meta")
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self.accelerator is None or self.model is None:
+            raise RuntimeError("HaiFSDPStrategy.setup() runs inside Trainer.fit/validate/test/predict")
+        self.accelerator.setup(trainer)
+        self.model = self._setup_model(self.precision_plugin.convert_module(self.model))
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _setup_model(self, model: nn.Module) -> FullyShardedDataParallel:
+        existing = model.__dict__.get(_WRAPPER_ATTR)
+        if isinstance(existing, FullyShardedDataParallel):
+            return existing
+        wrapped = FullyShardedDataParallel(
+            model,
+            mixed_precision=self._mixed_precision(),
+            device_id=self.root_device,
+            communicator=Communicator(timeout=self._timeout),
+            **self._fsdp_kwargs,
+        )
+        model.__dict__[_WRAPPER_ATTR] = wrapped  # not a submodule: plain attribute
+        return wrapped
+
+    def _mixed_precision(self) -> MixedPrecision | None:
+        """bf16-mixed: gather and reduce in bf16 (half the traffic); autocast still runs the ops."""
+        if self.precision_plugin.precision == "bf16-mixed":
+            return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=False)
+        return None
+
+    @override
+    def model_to_device(self) -> None:
+        """The wrapper creates the shards on the root device."""
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if isinstance(self.model, FullyShardedDataParallel):
+            with self.model.no_sync():
+                yield
+        else:
+            yield
+
+    # ---------------------------------------------------------------------- collectives
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> torch.Tensor | Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---------------------------------------------------------------------- checkpoints
+
+    def _wrapper(self) -> FullyShardedDataParallel:
+        if not isinstance(self.model, FullyShardedDataParallel):
+            raise RuntimeError("the model is not sharded yet; checkpoints are available after Trainer setup")
+        return self.model
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.state_dict_type == "full":
+            return full_state_dict(self._wrapper())
+        return sharded_state_dict(self._wrapper())
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        if self.state_dict_type == "full":
+            return full_optim_state_dict(self._wrapper(), optimizer)
+        return sharded_optim_state_dict(self._wrapper(), optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.state_dict_type == "full":
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero:
+            if path.is_file():
+                path.unlink()
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+        shard = {"state_dict": checkpoint.pop("state_dict"), "optimizer_states": checkpoint.pop("optimizer_states", [])}
+        torch.save(shard, path / f"rank_{self.global_rank}.pt")
+        if self.is_global_zero:
+            torch.save({**checkpoint, "hai_fsdp_world_size": self.world_size}, path / _META_FILE)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        safe = True if weights_only is None else weights_only
+        strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
+        model = self._wrapper()
+        if path.is_dir():
+            meta = torch.load(path / _META_FILE, map_location="cpu", weights_only=safe)
+            files = [path / f"rank_{r}.pt" for r in range(meta.pop("hai_fsdp_world_size"))]
+            load_sharded_state_dict(model, (_mmap(f, safe)["state_dict"] for f in files), strict=strict)
+            for i, optimizer in enumerate(self.optimizers):
+                shards = (_mmap(f, safe)["optimizer_states"][i] for f in files)
+                load_sharded_optim_state_dict(model, optimizer, shards)
+            return meta
+        checkpoint = _mmap(path, safe)
+        load_full_state_dict(model, checkpoint.pop("state_dict"), strict=strict)
+        for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", []), strict=False):
+            load_full_optim_state_dict(model, optimizer, state)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Done in :meth:`load_checkpoint`, straight into the pieces."""
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Done in :meth:`load_checkpoint`, straight into the pieces."""
+
+    @override
+    def teardown(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+
+
+def _mmap(path: Path, weights_only: bool) -> dict[str, Any]:
+    """Memory-mapped: every rank maps the same pages instead of holding its own copy of the file."""
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+
+
+def _register() -> None:
+    if "hai_fsdp" not in StrategyRegistry:
+        StrategyRegistry.register(
+            "hai_fsdp", HaiFSDPStrategy, description="fully sharded data parallel on the hfreduce engine"
+        )
+
+
+_register()

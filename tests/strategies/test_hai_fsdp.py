@@ -1,0 +1,184 @@
+"""``Trainer(strategy="hai_fsdp")`` against a single process, on externally launched ranks.
+
+One spawn at world 2 checks several behaviours (2 shared cores), one at world 3 resumes its sharded
+checkpoint. Tolerance: relative 1e-5 of each parameter; resumed losses equal uninterrupted ones to 1e-6.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_haiscale  # noqa: F401  (registers "hai_fsdp")
+from examples.gpt.lightning_module import GPTLightningModule
+from examples.gpt.model import GPT, Block, config, lm_loss
+from lightning_haiscale.fsdp import FullyShardedDataParallel, full_state_dict
+from lightning_haiscale.strategies import HaiFSDPStrategy
+from tests.distributed import run_distributed
+
+CFG = config("tiny", n_layer=2, n_embd=36, n_head=3, vocab_size=67, block_size=16, bias=False)
+BATCH = 2  # sequences per rank
+
+
+def _init(module: torch.nn.Module) -> None:
+    """Deterministic per parameter name and size, whatever the order in which units materialize."""
+    with torch.no_grad():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.is_meta:
+                g = torch.Generator().manual_seed(p.numel() + len(name))
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+class _GPT(GPTLightningModule):
+    """Records whether ``configure_model`` ran on the meta device."""
+
+    built_on_meta: bool | None = None
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.built_on_meta = all(p.is_meta for p in self.model.parameters())
+
+
+class _Losses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        loss = outputs["loss"].detach().reshape(1)
+        dist.all_reduce(loss)
+        self.losses.append(loss.item() / trainer.world_size)
+
+
+def _dataset(rows: int) -> TensorDataset:
+    seq = torch.randint(0, CFG.vocab_size, (rows, CFG.block_size + 1), generator=torch.Generator().manual_seed(7))
+    return TensorDataset(seq[:, :-1], seq[:, 1:])
+
+
+def _strategy(**kwargs: Any) -> HaiFSDPStrategy:
+    return HaiFSDPStrategy(auto_wrap_policy={Block}, param_init_fn=_init, **kwargs)
+
+
+def _fit(module: L.LightningModule, strategy: Any, steps: int, data: Any, **kwargs: Any) -> L.Trainer:
+    options = {
+        "devices": dist.get_world_size(),
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+    }
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, **{**options, **kwargs})
+    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=BATCH), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _reference(data: TensorDataset, world: int, steps: int, accumulate: int) -> GPT:
+    """One process: every rank's micro-batches, gradients summed per rank then averaged over ranks."""
+    ref = GPT(CFG)
+    for module in ref.modules():
+        _init(module)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    rows = [list(DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0)) for r in range(world)]
+    for step in range(steps):
+        per_rank = []
+        for r in range(world):
+            for micro in range(accumulate):
+                start = (step * accumulate + micro) * BATCH
+                x, y = data[torch.tensor(rows[r][start : start + BATCH])]
+                (lm_loss(ref(x), y) / accumulate).backward()
+            per_rank.append([p.grad.clone() for p in ref.parameters()])
+            opt.zero_grad()
+        for p, *grads in zip(ref.parameters(), *per_rank, strict=True):
+            p.grad = sum(grads[1:], grads[0].clone()) / world
+        opt.step()
+        opt.zero_grad()
+    return ref
+
+
+def _parity_accumulation_and_full_checkpoint(rank: int, world: int, tmp: Path) -> None:
+    data = _dataset(6 * world * BATCH)
+    module = _GPT(CFG)
+    trainer = _fit(module, _strategy(), 3, data, accumulate_grad_batches=2)
+    assert module.built_on_meta, "configure_model ran outside the meta device"
+    assert trainer._accelerator_connector.is_distributed
+    assert isinstance(trainer.train_dataloader.sampler, DistributedSampler)
+    assert isinstance(trainer.strategy.model, FullyShardedDataParallel)
+    ref = _reference(data, world, 3, accumulate=2)
+    full = full_state_dict(trainer.strategy.model)
+    trainer.save_checkpoint(tmp / "full.ckpt")
+    if rank == 0:
+        for name, q in ref.named_parameters():
+            err = (full[f"model.{name}"] - q.detach()).norm() / q.detach().norm()
+            assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+        bare = GPTLightningModule(CFG)
+        bare.configure_model()
+        bare.load_state_dict(torch.load(tmp / "full.ckpt", weights_only=True)["state_dict"])  # plain torch.load
+        assert all(torch.equal(full[k], v) for k, v in bare.state_dict().items())
+    pieces = sum(p.numel() for p in module.parameters())
+    assert pieces <= sum(p.numel() for p in ref.parameters()) // world + 2 * len(trainer.strategy.model._groups)
+
+
+def _resume(rank: int, world: int, tmp: Path) -> None:
+    # 3 steps an epoch, checkpoints after step 3 (Lightning restarts an interrupted epoch from its start)
+    data = _dataset(3 * world * BATCH)
+    whole = _Losses()
+    savers = [
+        ModelCheckpoint(dirpath=tmp / kind, filename="{step}", every_n_train_steps=3, save_top_k=-1)
+        for kind in ("full", "sharded")
+    ]
+    _fit(_GPT(CFG), _strategy(), 6, data, callbacks=[whole, savers[0]], enable_checkpointing=True)
+    _fit(_GPT(CFG), _strategy(state_dict_type="sharded"), 3, data, callbacks=[savers[1]], enable_checkpointing=True)
+    assert (tmp / "sharded" / "step=3.ckpt" / f"rank_{rank}.pt").is_file()
+    for kind in ("full", "sharded"):
+        resumed = _Losses()
+        ckpt = tmp / kind / "step=3.ckpt"
+        _fit(_GPT(CFG), _strategy(state_dict_type=kind), 6, data, callbacks=[resumed], ckpt_path=ckpt)
+        torch.testing.assert_close(resumed.losses, whole.losses[3:], rtol=1e-6, atol=0)
+
+
+def _bf16_mixed(rank: int, world: int, tmp: Path) -> None:
+    data = _dataset(2 * world * BATCH)
+    fp32, bf16 = _Losses(), _Losses()
+    _fit(_GPT(CFG), _strategy(), 2, data, callbacks=[fp32])
+    trainer = _fit(_GPT(CFG), _strategy(), 2, data, callbacks=[bf16], precision="bf16-mixed")
+    assert trainer.strategy.model._root_group.param_dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.losses, fp32.losses, rtol=2e-2, atol=0)
+
+
+def _run_all(rank: int, world: int, tmp: str, checks: list[Any]) -> None:
+    for check in checks:
+        check(rank, world, Path(tmp))
+        dist.barrier()
+
+
+def _resume_on_three_ranks(rank: int, world: int, tmp: str) -> None:
+    """The world-2 sharded checkpoint at step 3 loads on 3 ranks: the same weights as its full twin."""
+    trainer = _fit(_GPT(CFG), _strategy(), 3, _dataset(9 * BATCH), ckpt_path=Path(tmp) / "sharded" / "step=3.ckpt")
+    assert trainer.global_step == 3
+    loaded = full_state_dict(trainer.strategy.model)
+    if rank == 0:
+        saved = torch.load(Path(tmp) / "full" / "step=3.ckpt", weights_only=True)["state_dict"]
+        assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+def test_hai_fsdp_strategy(tmp_path: Path) -> None:
+    checks = [_parity_accumulation_and_full_checkpoint, _resume, _bf16_mixed]
+    run_distributed(_run_all, 2, str(tmp_path), checks, timeout=240)
+    run_distributed(_resume_on_three_ranks, 3, str(tmp_path), timeout=120)
+
+
+def test_bad_state_dict_type() -> None:
+    try:
+        HaiFSDPStrategy(state_dict_type="fsdp")  # type: ignore[arg-type]
+    except ValueError as e:
+        assert "state_dict_type='fsdp'" in str(e)
+    else:
+        raise AssertionError("expected ValueError")
