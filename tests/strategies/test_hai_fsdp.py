@@ -1,7 +1,8 @@
 """``Trainer(strategy="hai_fsdp")`` against a single process, on externally launched ranks.
 
-One spawn at world 2 checks several behaviours (2 shared cores), one at world 3 resumes its sharded
-checkpoint. Tolerance: relative 1e-5 of each parameter; resumed losses equal uninterrupted ones to 1e-6.
+One spawn at world 2 checks several behaviours (parity with accumulation and clipping, checkpoints,
+bf16; 2 shared cores), one at world 3 resumes its sharded checkpoint. Tolerance: relative 1e-5 of each
+parameter; resumed losses equal uninterrupted ones to 1e-6.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.distributed import run_distributed
 
 CFG = config("tiny", n_layer=2, n_embd=36, n_head=3, vocab_size=67, block_size=16, bias=False)
 BATCH = 2  # sequences per rank
+CLIP = 0.5  # gradient_clip_val: below the gradient norm of this model, so clipping acts
 
 
 def _init(module: torch.nn.Module) -> None:
@@ -98,6 +100,7 @@ def _reference(data: TensorDataset, world: int, steps: int, accumulate: int) -> 
             opt.zero_grad()
         for p, *grads in zip(ref.parameters(), *per_rank, strict=True):
             p.grad = sum(grads[1:], grads[0].clone()) / world
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
     return ref
@@ -106,7 +109,7 @@ def _reference(data: TensorDataset, world: int, steps: int, accumulate: int) -> 
 def _parity_accumulation_and_full_checkpoint(rank: int, world: int, tmp: Path) -> None:
     data = _dataset(6 * world * BATCH)
     module = _GPT(CFG)
-    trainer = _fit(module, _strategy(), 3, data, accumulate_grad_batches=2)
+    trainer = _fit(module, _strategy(), 3, data, accumulate_grad_batches=2, gradient_clip_val=CLIP)
     assert module.built_on_meta, "configure_model ran outside the meta device"
     assert trainer._accelerator_connector.is_distributed
     assert isinstance(trainer.train_dataloader.sampler, DistributedSampler)
