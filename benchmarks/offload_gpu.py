@@ -150,6 +150,37 @@ def copy_bandwidth(device: torch.device, nbytes: int = GiB) -> tuple[float, floa
     return rates[0], rates[1]
 
 
+def check_gradients(device: torch.device) -> str:
+    """Gradients with offload (small windows: throttling, prefetch, reuse) against a run without, on ``device``.
+
+    Returns a one-line verdict starting with "ok" or "FAILED". Bitwise unless two reference runs already
+    differ (CUDA backward kernels may use atomics); then within fp32 tolerance.
+    """
+    torch.manual_seed(0)
+    model = GPT(config("tiny")).to(device)
+    idx = torch.randint(0, 256, (4, 256), device=device)
+    targets = torch.roll(idx, -1, dims=1)
+
+    def grads(region: Any) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with region:
+            loss = lm_loss(model(idx), targets)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads(contextlib.nullcontext())
+    exact = all(torch.equal(a, b) for a, b in zip(grads(contextlib.nullcontext()), want, strict=True))
+    options = {"min_bytes": 0, "max_inflight_bytes": 1 << 20, "prefetch_bytes": 1 << 20}
+    for ratio in (0.3, 1.0):
+        for _ in range(3):
+            got = grads(CPUOffload(ratio, f"bench-check-{ratio}", force_copy=device.type == "cpu", **options))
+            for g, w in zip(got, want, strict=True):
+                same = torch.equal(g, w) if exact else torch.allclose(g, w, rtol=1.3e-6, atol=1e-5)
+                if not same:
+                    return f"FAILED at ratio {ratio}: max |diff| {(g - w).abs().max().item():.3e}"
+    return "ok (bitwise equal)" if exact else "ok (within fp32 tolerance; reference runs differ bitwise)"
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -210,6 +241,8 @@ def main(argv: Sequence[str]) -> int:
         print("offload_gpu: no CUDA device here; this benchmark needs a GPU (use --device cpu for a smoke run)")
         return 0
     device = torch.device(args.device)
+    verdict = check_gradients(device)
+    print(f"gradient check (tiny GPT, ratios 0.3 and 1, with vs without offload): {verdict}", flush=True)
     torch.manual_seed(0)
     cfg = config(args.config, vocab_size=args.vocab, block_size=max(args.seq, config(args.config).block_size))
     model = GPT(cfg).to(device)
@@ -220,7 +253,10 @@ def main(argv: Sequence[str]) -> int:
     for name, make_region in variants(args):
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        results.append(measure(name, make_region, model, idx, targets, args))
+        try:
+            results.append(measure(name, make_region, model, idx, targets, args))
+        except torch.cuda.OutOfMemoryError:  # report the column as failed, keep the others
+            results.append(Result(name, float("nan")))
         print(f"  measured {name}: {results[-1].step_ms:.1f} ms", flush=True)
     setup = (
         f"GPT config={args.config} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
@@ -246,8 +282,9 @@ def main(argv: Sequence[str]) -> int:
         print(line)
     if args.json is not None:
         payload = {"setup": setup, "bandwidth_gbps": bandwidth, "results": [asdict(r) for r in results]}
+        payload["gradient_check"] = verdict
         args.json.write_text(json.dumps(payload, indent=2))
-    return 0
+    return 0 if verdict.startswith("ok") else 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Pipeline strategies run backward before ``on_before_backward``. A strategy that 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning.pytorch as pl
@@ -27,6 +28,8 @@ from lightning_haiscale.cpu_offload import CPUOffload, check_ratio
 from lightning_haiscale.cpu_offload.stats import region_record
 
 __all__ = ["CPUOffloadCallback"]
+
+log = logging.getLogger(__name__)
 
 
 class CPUOffloadCallback(Callback):
@@ -49,6 +52,7 @@ class CPUOffloadCallback(Callback):
         CPUOffload(self.offload_ratio, None, **offload_options)  # rejects bad options now, not mid-fit
         self._region: CPUOffload | None = None
         self._totals_at_start = (0, 0)
+        self._told_idle = False
 
     def offload_context(self) -> CPUOffload:
         """A fresh context manager for one forward region (same ratio, tag and options)."""
@@ -89,6 +93,9 @@ class CPUOffloadCallback(Callback):
     def _log(self, pl_module: pl.LightningModule) -> None:
         saved, offloaded = (now - before for now, before in zip(self._totals(), self._totals_at_start, strict=True))
         if saved == 0:
+            if not self._told_idle:
+                log.info("CPUOffloadCallback: no device activations saved this step (CPU tensors need force_copy)")
+                self._told_idle = True
             return
         metrics = {"cpu_offload/achieved_ratio": offloaded / saved, "cpu_offload/bytes_offloaded": float(offloaded)}
         for name, value in metrics.items():

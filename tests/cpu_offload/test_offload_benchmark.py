@@ -14,6 +14,7 @@ SMOKE += ["--warmup", "1", "--steps", "1", "--min-bytes", "0"]
 def test_smoke_run_on_cpu_writes_table_and_json(tmp_path, capsys):
     assert offload_gpu.main([*SMOKE, "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
+    assert "gradient check (tiny GPT, ratios 0.3 and 1, with vs without offload): ok" in out
     header = next(line for line in out.splitlines() if line.lstrip().startswith("|"))
     for column in ("no offload", "ratio 0", "ratio 0.25", "ratio 0.5", "ratio 1", "save_on_cpu"):
         assert column in header
