@@ -157,12 +157,13 @@ def test_strategy_that_brackets_itself_is_left_alone():
 
 def _ddp_worker(rank: int, world_size: int, strategy: str) -> bool:
     want, _ = _fit(GPTModule(), strategy=strategy, devices=world_size)
-    module = GPTModule()
-    got, _ = _fit(module, [CPUOffloadCallback(0.3, **OPTIONS)], strategy=strategy, devices=world_size)
+    module, callback = GPTModule(), CPUOffloadCallback(0.3, **OPTIONS)
+    got, _ = _fit(module, [callback], strategy=strategy, devices=world_size)
     _assert_same_parameters(got, want)
-    return all(module.hooks_in_forward) and not any(module.hooks_after_backward)
+    offloaded = offload_stats(callback.tag).bytes_offloaded > 0
+    return offloaded and all(module.hooks_in_forward) and not any(module.hooks_after_backward)
 
 
-@pytest.mark.parametrize("strategy", ["hai_ddp", "ddp"])
-def test_under_ddp_on_two_processes(strategy):
+@pytest.mark.parametrize("strategy", ["hai_ddp", "hai_fsdp", "ddp"])
+def test_under_data_parallel_strategies_on_two_processes(strategy):
     assert run_distributed(_ddp_worker, 2, strategy) == [True, True]
