@@ -180,6 +180,8 @@ class _Run:
                 seen = self._seen[key] = _Seen(weakref.ref(storage), self._save(t, storage, start, nbytes, seq))
             if seen.stored is None:
                 return _Resident(seq, t.detach())
+            if not seen.stored.handles:  # every earlier save of it was released: its copy is gone, copy again
+                seen.stored = self._offload(t, storage, start, nbytes, seq)
             seen.stored.handles += 1
             return _Offloaded(self, seen.stored, seq, t, t.storage_offset() * t.element_size() - start)
 
@@ -198,14 +200,18 @@ class _Run:
         self.tensors_saved += 1
         if nbytes < self.options.min_bytes or not self._choose(len(self.sizes), nbytes):
             return None
+        self.bytes_offloaded += nbytes
+        self.tensors_offloaded += 1
+        return self._offload(t, storage, start, nbytes, seq)
+
+    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int, seq: int) -> _Stored:
+        """Starts the copy out of a span; bounds the device bytes still waiting for theirs."""
         source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, start, (nbytes,), (1,))
         transfer = self._transfer(t.device)
         stored = _Stored(seq, nbytes, transfer, self.options.pool.acquire(nbytes, pin=t.is_cuda))
         stored.written = transfer.to_host(source, stored.host)
         self._offloaded.append(stored)
         self._cursor = len(self._offloaded) - 1
-        self.bytes_offloaded += nbytes
-        self.tensors_offloaded += 1
         if stored.written is not None:
             stored.source, stored.source_ptr = source, source.data_ptr()
             self._pending.append(stored)

@@ -308,3 +308,16 @@ def test_resized_storage_is_copied_back_not_reused(slow_transfer):
     got, w.grad = w.grad, None
     (want @ w).sum().backward()
     assert torch.equal(got, w.grad)
+
+
+def test_span_saved_again_after_its_first_saves_were_released():
+    x = torch.randn(64, 64)
+    w = torch.randn(64, 64, requires_grad=True)
+    with CPUOffload(1.0, min_bytes=0, force_copy=True) as region:
+        (x @ w).sum()  # a graph released at once: x's first save is dropped
+        loss = (x @ w).sum()
+    assert region.stats().bytes_saved == x.numel() * 4  # still counted once
+    loss.backward()
+    got, w.grad = w.grad, None
+    (x @ w).sum().backward()
+    assert torch.equal(got, w.grad)
