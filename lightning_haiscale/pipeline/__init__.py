@@ -1,0 +1,28 @@
+"""Pipeline parallelism in plain PyTorch: partition an ``nn.Sequential``, run GPipe, PipeDream or Interleaved1F1B.
+
+```python
+dp_group, pp_group = make_subgroups(pp_size=4)
+stage = partition(seq, pp_group.rank(), pp_group.size())
+model = PipeDream(stage, chunks=8, process_group=pp_group)
+losses, _ = model.forward_backward(x, criterion=F.cross_entropy, labels=(y,))
+```
+"""
+
+from lightning_haiscale.pipeline.partition import SequentialModel, make_subgroups, partition
+from lightning_haiscale.pipeline.pipelines import GPipe, Interleaved1F1B, PipeDream, Pipeline, split_microbatches
+from lightning_haiscale.pipeline.schedule import Action, ActionType, build_schedule, format_grid
+
+__all__ = [
+    "Action",
+    "ActionType",
+    "GPipe",
+    "Interleaved1F1B",
+    "PipeDream",
+    "Pipeline",
+    "SequentialModel",
+    "build_schedule",
+    "format_grid",
+    "make_subgroups",
+    "partition",
+    "split_microbatches",
+]

@@ -1,0 +1,136 @@
+"""Point-to-point transfer of a stage boundary: a tuple of tensors of any shapes and dtypes.
+
+[Note: boundary protocol] An activation message is a fixed-size ``int64`` header (number of tensors, then
+per tensor its dtype code, requires-grad flag, rank and shape) followed by one payload: the tensor itself
+when there is one contiguous tensor, else every tensor's bytes packed into one ``uint8`` buffer at 16-byte
+aligned offsets. The header goes with every microbatch, so a shape that changes (a smaller last batch, a
+new sequence length, uneven evaluation microbatches) is always received exactly; it is posted one compute
+ahead, so its latency overlaps work. A gradient message needs no header: its receiver sent the outputs
+whose gradients come back, so it knows their shapes; only tensors that require grad have gradients.
+Every message has its own tag, so receives match sends exactly whatever the order they are posted in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "HEADER_SLOTS",
+    "TensorMeta",
+    "decode_header",
+    "empty_buffer",
+    "encode_header",
+    "irecv",
+    "isend",
+    "pack",
+    "unpack",
+]
+
+HEADER_SLOTS = 128
+_ALIGN = 16
+_DTYPES: list[torch.dtype] = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a receiver needs to allocate one boundary tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorMeta:
+        return cls(tuple(t.shape), t.dtype, t.requires_grad)
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+def encode_header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The fixed-size header describing ``tensors``; raises when they do not fit in ``HEADER_SLOTS``."""
+    values = [len(tensors)]
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"a stage boundary tensor has dtype {t.dtype}, which pipelines do not carry")
+        values += [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
+    if len(values) > HEADER_SLOTS:
+        raise ValueError(
+            f"a stage boundary of {len(tensors)} tensors needs {len(values)} header slots, more than {HEADER_SLOTS}"
+        )
+    return torch.tensor(values + [0] * (HEADER_SLOTS - len(values)), dtype=torch.int64)
+
+
+def decode_header(header: torch.Tensor) -> list[TensorMeta]:
+    values = header.tolist()
+    metas, i = [], 1
+    for _ in range(values[0]):
+        code, grad, ndim = values[i : i + 3]
+        shape = tuple(values[i + 3 : i + 3 + ndim])
+        metas.append(TensorMeta(shape, _DTYPES[code], bool(grad)))
+        i += 3 + ndim
+    return metas
+
+
+def _offsets(metas: Sequence[TensorMeta]) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for m in metas:
+        offsets.append(end)
+        end += -(-m.nbytes // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous buffer to send: the tensor itself when possible, else the packed bytes."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0].detach()
+    metas = [TensorMeta.of(t) for t in tensors]
+    offsets, total = _offsets(metas)
+    buffer = torch.empty(max(total, 1), dtype=torch.uint8, device=tensors[0].device if tensors else "cpu")
+    for t, m, off in zip(tensors, metas, offsets, strict=True):
+        if m.nbytes:
+            buffer[off : off + m.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return buffer
+
+
+def empty_buffer(metas: Sequence[TensorMeta], device: torch.device) -> torch.Tensor:
+    """A receive buffer for ``metas`` (the same layout ``pack`` produces)."""
+    if len(metas) == 1:
+        return torch.empty(metas[0].shape, dtype=metas[0].dtype, device=device)
+    return torch.empty(max(_offsets(metas)[1], 1), dtype=torch.uint8, device=device)
+
+
+def unpack(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
+    """The tensors in a received ``buffer`` (views of it; no copy)."""
+    if len(metas) == 1:
+        return [buffer]
+    offsets, _ = _offsets(metas)
+    return [buffer[off : off + m.nbytes].view(m.dtype).view(m.shape) for m, off in zip(metas, offsets, strict=True)]
+
+
+def isend(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+    """Sends to ``peer`` (a rank of ``group``) without waiting."""
+    return dist.isend(tensor, group=group, tag=tag, group_dst=peer)
+
+
+def irecv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+    """Posts a receive from ``peer`` (a rank of ``group``); wait on the returned work."""
+    return dist.irecv(tensor, group=group, tag=tag, group_src=peer)

@@ -1,0 +1,172 @@
+"""Cutting an ``nn.Sequential`` into pipeline stages, and the process groups of DP x PP."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["SequentialModel", "make_subgroups", "partition", "stage_layer_counts"]
+
+log = logging.getLogger(__name__)
+
+
+class SequentialModel(nn.Sequential):
+    """An ``nn.Sequential`` whose layers may pass a tuple of tensors: a tuple is unpacked into the next layer.
+
+    Stages keep the layer names of the original sequence (``"3"``, ``"4"``, ...), so a stage's
+    ``state_dict`` keys are the original module's keys and checkpoints map between partitions.
+    """
+
+    def forward(self, *inputs: Any) -> Any:
+        x: Any = inputs if len(inputs) != 1 else inputs[0]
+        for layer in self:
+            x = layer(*x) if isinstance(x, tuple) else layer(x)
+        return x
+
+
+def partition(
+    module: nn.Sequential,
+    rank: int,
+    world_size: int,
+    balance: Sequence[int] | str | None = None,
+    num_model_chunks: int = 1,
+    *,
+    example_inputs: tuple[Any, ...] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> SequentialModel | list[SequentialModel]:
+    """Returns rank ``rank``'s stage of ``module`` (or its ``num_model_chunks`` chunks, interleaved order).
+
+    Args:
+        module: the whole network, an ``nn.Sequential``; every rank passes the same one.
+        balance: layers per stage (``world_size * num_model_chunks`` numbers), ``None`` to balance
+            parameter counts, or ``"time"`` to balance the forward + backward time of each layer, measured
+            once on ``example_inputs`` (rank 0 of ``process_group`` measures and broadcasts, so every rank
+            cuts alike).
+        num_model_chunks: with ``V > 1`` the sequence is cut into ``world_size * V`` parts and rank ``r``
+            gets parts ``r, r + world_size, ...`` (Interleaved1F1B's layout) as a list.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    if num_model_chunks < 1:
+        raise ValueError(f"num_model_chunks={num_model_chunks} must be at least 1")
+    counts = stage_layer_counts(
+        module, world_size * num_model_chunks, balance, example_inputs=example_inputs, process_group=process_group
+    )
+    items = list(module._modules.items())
+    bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
+    parts = [SequentialModel(OrderedDict(items[bounds[i] : bounds[i + 1]])) for i in range(len(counts))]
+    chunks = parts[rank::world_size]
+    return chunks[0] if num_model_chunks == 1 else chunks
+
+
+def stage_layer_counts(
+    module: nn.Sequential,
+    parts: int,
+    balance: Sequence[int] | str | None,
+    *,
+    example_inputs: tuple[Any, ...] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> list[int]:
+    """Layers per part: ``balance`` checked, or balanced by parameter count or measured time."""
+    n = len(module)
+    if n < parts:
+        raise ValueError(f"the module has {n} layers, fewer than the {parts} stages asked for; use fewer stages")
+    if balance is None:
+        return _balanced_counts([sum(p.numel() for p in layer.parameters()) + 1 for layer in module], parts)
+    if balance == "time":
+        return _balanced_counts(_measured_times(module, example_inputs, process_group), parts)
+    if isinstance(balance, str):
+        raise ValueError(f"balance={balance!r} is unknown; pass None, 'time' or a list of layer counts")
+    counts = [int(c) for c in balance]
+    if len(counts) != parts or sum(counts) != n or min(counts) < 1:
+        raise ValueError(
+            f"balance={list(balance)} must be {parts} positive layer counts (stages x model chunks) summing to {n}"
+        )
+    return counts
+
+
+def _balanced_counts(weights: Sequence[float], parts: int) -> list[int]:
+    """Contiguous cut of ``weights`` into ``parts`` non-empty runs minimizing the heaviest run (exact DP)."""
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: the lightest heaviest-run over cuts of the first i layers into k runs; cut[k][i]: last cut.
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    counts, i = [], n
+    for k in range(parts, 0, -1):
+        counts.append(i - cut[k][i])
+        i = cut[k][i]
+    return counts[::-1]
+
+
+def _measured_times(
+    module: nn.Sequential, example_inputs: tuple[Any, ...] | None, process_group: dist.ProcessGroup | None
+) -> list[float]:
+    """Forward + backward seconds of each layer on ``example_inputs``, agreed on by every rank."""
+    if example_inputs is None:
+        raise ValueError("balance='time' needs example_inputs=(a batch the first layer accepts,) to profile on")
+    times = [0.0] * len(module)
+    x: Any = example_inputs if len(example_inputs) != 1 else example_inputs[0]
+    for i, layer in enumerate(module):
+        args = x if isinstance(x, tuple) else (x,)
+        args = tuple(a.detach().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in args)
+        start = time.perf_counter()
+        out = layer(*args)
+        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if torch.is_tensor(o) and o.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        times[i] = time.perf_counter() - start
+        x = tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
+    module.zero_grad(set_to_none=True)
+    if dist.is_available() and dist.is_initialized():
+        shared = [times]
+        dist.broadcast_object_list(shared, group=process_group, group_src=0)
+        times = shared[0]
+    log.info("measured layer times (s): %s", ", ".join(f"{t:.4f}" for t in times))
+    return times
+
+
+def make_subgroups(pp_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Returns this rank's ``(dp_group, pp_group)`` for ``world_size / pp_size`` pipelines of ``pp_size`` stages.
+
+    [Note: layout] Pipelines are consecutive ranks: pipeline ``i`` is ranks ``i*pp_size ... i*pp_size +
+    pp_size - 1`` and its stage ``s`` is rank ``i*pp_size + s``. The data-parallel group of stage ``s`` is
+    ``s, s + pp_size, s + 2*pp_size, ...``. With hosts of ``pp_size`` ranks each pipeline stays inside a
+    host (point-to-point traffic on shared memory) and gradients all-reduce across hosts. Collective:
+    every rank calls it.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("make_subgroups needs torch.distributed initialized (dist.init_process_group)")
+    world = dist.get_world_size()
+    if pp_size < 1 or world % pp_size:
+        raise ValueError(f"pp_size={pp_size} must divide the world size {world}")
+    rank = dist.get_rank()
+    pp_group = dp_group = None
+    for i in range(world // pp_size):
+        group = dist.new_group(list(range(i * pp_size, (i + 1) * pp_size)))
+        if rank // pp_size == i:
+            pp_group = group
+    for s in range(pp_size):
+        group = dist.new_group(list(range(s, world, pp_size)))
+        if rank % pp_size == s:
+            dp_group = group
+    return dp_group, pp_group

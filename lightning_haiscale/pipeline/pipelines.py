@@ -1,0 +1,269 @@
+"""GPipe, PipeDream (1F1B) and Interleaved1F1B: one stage module per rank, one executor, three schedules."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_haiscale.pipeline.executor import LossFn, StepConfig, StepResult, check_stage_module, run_actions
+from lightning_haiscale.pipeline.schedule import (
+    Action,
+    Order,
+    build_schedule,
+    gpipe_order,
+    interleaved_order,
+    one_f_one_b_order,
+)
+
+__all__ = ["GPipe", "Interleaved1F1B", "PipeDream", "Pipeline", "split_microbatches"]
+
+_CHECKPOINT_POLICIES = ("never", "always", "except_last")
+
+
+def split_microbatches(args: Sequence[Any], chunks: int, even: bool = True) -> list[tuple[Any, ...]]:
+    """Splits every tensor of ``args`` along dim 0 into ``chunks`` microbatches; other values are repeated.
+
+    ``even=True`` (training) requires ``chunks`` to divide the batch, so each microbatch's mean loss weighs
+    the same; ``even=False`` (evaluation) allows sizes that differ by one.
+    """
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks} must be at least 1")
+    parts: list[Sequence[Any]] = []
+    for arg in args:
+        if not torch.is_tensor(arg):
+            parts.append([arg] * chunks)
+            continue
+        if arg.dim() == 0:
+            raise ValueError("a pipeline input is a 0-d tensor; inputs are split along dim 0 into microbatches")
+        if even and arg.size(0) % chunks:
+            raise ValueError(f"chunks={chunks} does not divide batch size {arg.size(0)}")
+        parts.append(torch.tensor_split(arg, chunks))
+    return [tuple(p[m] for p in parts) for m in range(chunks)]
+
+
+class Pipeline(nn.Module):
+    """Runs this rank's stage(s) of a pipeline with a schedule; subclasses choose the schedule.
+
+    Every rank of ``process_group`` builds its pipeline with the same ``chunks`` and calls the same
+    methods in the same order. ``forward_context``, when set, is entered around every training
+    microbatch's forward (CPU activation offload brackets them this way).
+    """
+
+    order: ClassVar[Order]
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        chunks: int,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        checkpoint: str = "never",
+        forward_context: Callable[[], AbstractContextManager] | None = None,
+    ) -> None:
+        super().__init__()
+        if chunks < 1:
+            raise ValueError(f"chunks={chunks} must be at least 1")
+        if checkpoint not in _CHECKPOINT_POLICIES:
+            raise ValueError(f"checkpoint={checkpoint!r} must be one of {_CHECKPOINT_POLICIES}")
+        for module in modules:
+            check_stage_module(module)
+        self.stages = nn.ModuleList(modules)
+        self.chunks = chunks
+        self.process_group = process_group
+        self.checkpoint = checkpoint
+        self.forward_context = forward_context
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(process_group) if initialized else 0
+        self.num_ranks = dist.get_world_size(process_group) if initialized else 1
+        self.num_stages = self.num_ranks * len(modules)
+        if self.num_ranks == 1 and len(modules) > 1:
+            raise ValueError("several model chunks need at least 2 pipeline ranks")
+        self._sync_grads = True
+        self._schedules: dict[tuple[int, bool], dict[int, list[Action]]] = {}
+        self.peak_live = 0
+        self.schedule(chunks)  # build and check the training schedule now: errors before any step
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.rank == (self.num_stages - 1) % self.num_ranks
+
+    def schedule(self, microbatches: int, forward_only: bool = False) -> dict[int, list[Action]]:
+        """Every rank's actions for a step of ``microbatches`` (built once, validated and simulated)."""
+        key = (microbatches, forward_only)
+        if key not in self._schedules:
+            order = self.order
+            self._schedules[key] = build_schedule(
+                order, self.num_ranks, microbatches, len(self.stages), forward_only=forward_only
+            )
+        return self._schedules[key]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no data-parallel stage all-reduces inside this context."""
+        previous, self._sync_grads = self._sync_grads, False
+        try:
+            yield
+        finally:
+            self._sync_grads = previous
+
+    def forward_backward(
+        self,
+        *inputs: Any,
+        criterion: Callable[..., torch.Tensor],
+        labels: Sequence[Any] = (),
+        return_outputs: bool = False,
+    ) -> tuple[torch.Tensor | None, Any]:
+        """Forward and backward of one batch, split along dim 0 into ``chunks`` microbatches.
+
+        ``criterion(*outputs, *labels)`` gives each microbatch's loss; gradients are those of the mean of the
+        microbatch losses (the full batch's mean loss for a mean-reduced criterion). Returns
+        ``(losses, outputs)`` on the last stage (``losses`` of shape ``(chunks,)``; ``outputs`` joined along
+        dim 0 when ``return_outputs``), ``(None, None)`` elsewhere.
+        """
+        batches = split_microbatches(inputs, self.chunks) if inputs else None
+        label_batches = split_microbatches(tuple(labels), self.chunks)
+
+        def loss_fn(m: int, out: Any) -> torch.Tensor:
+            return criterion(*(out if isinstance(out, tuple) else (out,)), *label_batches[m])
+
+        result = self.run_microbatches(batches, loss_fn, loss_scale=1.0 / self.chunks, keep_outputs=return_outputs)
+        if not self.is_last_stage:
+            return None, None
+        losses = torch.stack([result.losses[m] for m in range(self.chunks)])
+        return losses, _join(result.outputs, self.chunks) if return_outputs else None
+
+    def run_microbatches(
+        self,
+        microbatches: Sequence[tuple[Any, ...]] | None,
+        loss_fn: LossFn,
+        *,
+        loss_scale: float,
+        keep_outputs: bool = False,
+    ) -> StepResult:
+        """One training step over already-split ``microbatches`` (first stage) with a custom ``loss_fn``.
+
+        ``loss_fn(m, output)`` runs on the last stage; the backward of microbatch ``m`` starts from
+        ``loss_fn(m, output) * loss_scale``. The Lightning strategies use this entry point.
+        """
+        config = self._config(self.chunks, training=True, loss_fn=loss_fn, loss_scale=loss_scale, keep=keep_outputs)
+        result = self._run(self.schedule(self.chunks), microbatches, config)
+        self.peak_live = result.peak_live
+        return result
+
+    def forward(self, *inputs: Any, microbatches: int | None = None) -> Any:
+        """Pipelined evaluation (no gradients): the output joined along dim 0 on the last stage, else ``None``.
+
+        The batch is split into ``chunks`` microbatches (sizes may differ by one), or ``microbatches``.
+        """
+        n = microbatches or self.chunks
+        batches = split_microbatches(inputs, n, even=False) if inputs else None
+        config = self._config(n, training=False, loss_fn=None, loss_scale=1.0, keep=True)
+        with torch.no_grad():
+            result = self._run(self.schedule(n, forward_only=True), batches, config)
+        return _join(result.outputs, n) if self.is_last_stage else None
+
+    def _config(self, n: int, training: bool, loss_fn: LossFn | None, loss_scale: float, keep: bool) -> StepConfig:
+        policy = self.checkpoint
+        return StepConfig(
+            num_ranks=self.num_ranks,
+            num_stages=self.num_stages,
+            num_microbatches=n,
+            group=self.process_group,
+            training=training,
+            loss_fn=loss_fn,
+            loss_scale=loss_scale,
+            keep_outputs=keep,
+            sync_grads=self._sync_grads,
+            checkpoint=lambda m: policy == "always" or (policy == "except_last" and m != n - 1),
+            forward_context=self.forward_context,
+        )
+
+    def _run(
+        self, schedule: dict[int, list[Action]], batches: Sequence[tuple[Any, ...]] | None, config: StepConfig
+    ) -> StepResult:
+        if self.is_first_stage and batches is None:
+            raise ValueError("the first pipeline stage needs the inputs; pass the batch on every rank")
+        return run_actions(self.stages, schedule[self.rank], schedule, batches, config)
+
+
+class GPipe(Pipeline):
+    """GPipe: all forwards, then all backwards; ``checkpoint`` recomputes activations in the backward.
+
+    ``checkpoint="except_last"`` keeps the last microbatch's activations, whose backward comes first.
+    Live activations per stage: ``chunks`` (inputs only, when checkpointed).
+    """
+
+    order = staticmethod(gpipe_order)
+
+    def __init__(
+        self,
+        module: nn.Module,
+        chunks: int,
+        process_group: dist.ProcessGroup | None = None,
+        checkpoint: str = "never",
+        *,
+        forward_context: Callable[[], AbstractContextManager] | None = None,
+    ) -> None:
+        super().__init__([module], chunks, process_group, checkpoint=checkpoint, forward_context=forward_context)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.stages[0]
+
+
+class PipeDream(Pipeline):
+    """PipeDream-flush (1F1B): stage ``r`` of ``S`` keeps at most ``S - r`` microbatches' activations."""
+
+    order = staticmethod(one_f_one_b_order)
+
+    def __init__(
+        self,
+        module: nn.Module,
+        chunks: int,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        forward_context: Callable[[], AbstractContextManager] | None = None,
+    ) -> None:
+        super().__init__([module], chunks, process_group, forward_context=forward_context)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.stages[0]
+
+
+class Interleaved1F1B(Pipeline):
+    """Interleaved 1F1B: each rank holds ``len(modules)`` chunks (``partition(..., num_model_chunks=V)``).
+
+    Shrinks the pipeline bubble by ``V``; ``chunks`` must be a multiple of the number of pipeline ranks.
+    """
+
+    order = staticmethod(interleaved_order)
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        chunks: int,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        forward_context: Callable[[], AbstractContextManager] | None = None,
+    ) -> None:
+        if isinstance(modules, nn.Module) and not isinstance(modules, (list, tuple, nn.ModuleList)):
+            modules = [modules]
+        super().__init__(list(modules), chunks, process_group, forward_context=forward_context)
+
+
+def _join(outputs: dict[int, Any], n: int) -> Any:
+    parts = [outputs[m] for m in range(n)]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
+    return torch.cat(parts)

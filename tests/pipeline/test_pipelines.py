@@ -1,0 +1,189 @@
+"""GPipe, PipeDream and Interleaved1F1B against a single-process run of the same model and data.
+
+Every configuration of a world size runs inside one spawned job (process start-up dominates on 2 cores).
+Parameters after 5 SGD steps must equal the single-process run's within rtol 1e-5; shapes change between
+steps (batch and sequence length), so boundary shapes are re-exchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, SequentialModel, make_subgroups, partition
+from tests.distributed import run_distributed
+
+STEPS = [(16, 3), (16, 5), (16, 2), (8, 3), (16, 3)]  # (batch, sequence length) of each step
+SCHEDULES = ("gpipe", "gpipe_checkpoint", "pipedream", "interleaved")
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    widths = [6] + [16] * 7
+    layers = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in itertools.pairwise(widths)]
+    return nn.Sequential(*layers, nn.Linear(16, 3))  # 8 layers with parameters: 4 ranks x 2 model chunks
+
+
+def batch(step: int, dp_rank: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s data for one data-parallel rank; the shards of all ranks make the global batch."""
+    n, t = STEPS[step]
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(n * dp_size, t, 6, generator=g), torch.randn(n * dp_size, t, 3, generator=g)
+    return x[dp_rank * n : (dp_rank + 1) * n], y[dp_rank * n : (dp_rank + 1) * n]
+
+
+def reference_parameters(dp_size: int) -> dict[str, torch.Tensor]:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(len(STEPS)):
+        x, y = batch(step, 0, 1) if dp_size == 1 else _global_batch(step, dp_size)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _global_batch(step: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shards = [batch(step, r, dp_size) for r in range(dp_size)]
+    return torch.cat([s[0] for s in shards]), torch.cat([s[1] for s in shards])
+
+
+class GradAllReduce(nn.Module):
+    """A stand-in data-parallel wrapper with backward-time ``no_sync``: outside it, each gradient is averaged
+    over ``group`` as soon as the backward has accumulated it."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.module, self.group, self.sync = module, group, True
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(self._reduce)
+
+    def _reduce(self, p: torch.Tensor) -> None:
+        if self.sync:
+            dist.all_reduce(p.grad, group=self.group)
+            p.grad /= dist.get_world_size(self.group)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.module(*inputs)
+
+
+def build(schedule: str, chunks: int, pp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup | None):
+    rank, size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    seq = mlp()
+    wrap = (lambda m: GradAllReduce(m, dp_group)) if dp_group is not None else (lambda m: m)
+    if schedule == "interleaved":
+        chunks_ = partition(seq, rank, size, num_model_chunks=2)
+        return Interleaved1F1B([wrap(c) for c in chunks_], chunks, pp_group), chunks_
+    stage = partition(seq, rank, size)
+    if schedule == "pipedream":
+        return PipeDream(wrap(stage), chunks, pp_group), [stage]
+    policy = "except_last" if schedule == "gpipe_checkpoint" else "never"
+    return GPipe(wrap(stage), chunks, pp_group, checkpoint=policy), [stage]
+
+
+def train_and_compare(pp_size: int) -> list[str]:
+    world = dist.get_world_size()
+    dp_group, pp_group = make_subgroups(pp_size)
+    dp_size, dp_rank = world // pp_size, dist.get_rank() // pp_size
+    expected = reference_parameters(dp_size)
+    done = []
+    for schedule in SCHEDULES:
+        for chunks in (1, 2, 4, 8):
+            if schedule == "interleaved" and chunks % pp_size:
+                with pytest.raises(ValueError, match=f"chunks={chunks} must be a multiple"):
+                    build(schedule, chunks, pp_group, None)
+                continue
+            pipe, stages = build(schedule, chunks, pp_group, dp_group if dp_size > 1 else None)
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+            for step in range(len(STEPS)):
+                x, y = batch(step, dp_rank, dp_size)
+                opt.zero_grad()
+                losses, _ = pipe.forward_backward(x, criterion=F.mse_loss, labels=(y,))
+                assert (losses is None) != pipe.is_last_stage
+                opt.step()
+            label = f"{schedule}/{chunks}"
+            for stage in stages:
+                for name, value in stage.state_dict().items():
+                    torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7, msg=f"{label} {name}")
+            bound = min(chunks, pp_size - dist.get_rank(pp_group)) if schedule == "pipedream" else chunks
+            if schedule == "interleaved":
+                bound = 2 * chunks
+            assert pipe.peak_live <= bound, (schedule, chunks, pipe.peak_live, bound)
+            done.append(label)
+    return done
+
+
+def _parity_world(rank: int, world: int, layouts: tuple[int, ...]) -> list[str]:
+    return [c for pp in layouts for c in train_and_compare(pp)]
+
+
+def test_parity_world_2() -> None:
+    done = run_distributed(_parity_world, 2, (2,))
+    assert len(done[0]) == 15
+
+
+def test_parity_world_4_stages_and_dp() -> None:
+    done = run_distributed(_parity_world, 4, (4, 2), timeout=240)
+    assert len(done[0]) == 14 + 15
+
+
+class Split(nn.Module):
+    """(B, T, 6) -> (features, a no-grad bool mask, int64 positions): a boundary of three dtypes."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.tanh(x), x[..., 0] > 0, torch.arange(x.size(1)).expand(x.size(0), -1)
+
+
+class Merge(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 3)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.proj(h) * mask.unsqueeze(-1) + pos.unsqueeze(-1)
+
+
+def tuple_model() -> SequentialModel:
+    torch.manual_seed(0)
+    return SequentialModel(nn.Linear(6, 6), Split(), Merge())
+
+
+def _tuples_and_eval(rank: int, world: int) -> None:
+    ref = tuple_model()
+    stage = partition(tuple_model(), rank, world, balance=[2, 1])
+    pipe = PipeDream(stage, chunks=2)
+    x, y = batch(0)
+    losses, outputs = pipe.forward_backward(x, criterion=F.mse_loss, labels=(y,), return_outputs=True)
+    F.mse_loss(ref(x), y).backward()
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, ref.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
+    if rank == 1:
+        torch.testing.assert_close(outputs, ref(x).detach())
+        torch.testing.assert_close(losses.mean(), F.mse_loss(ref(x), y).detach())
+    with pytest.raises(ValueError, match="chunks=2 does not divide batch size 5"):
+        pipe.forward_backward(x[:5], criterion=F.mse_loss, labels=(y[:5],))
+    out = pipe(x[:5])  # evaluation: uneven microbatches (3 and 2) and a new shape
+    if rank == 1:
+        torch.testing.assert_close(out, ref(x[:5]).detach())
+    else:
+        assert out is None
+
+
+def test_tuple_boundaries_with_no_grad_tensors_and_evaluation() -> None:
+    run_distributed(_tuples_and_eval, 2)
