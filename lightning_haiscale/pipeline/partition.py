@@ -6,6 +6,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -145,14 +146,14 @@ def _measured_times(
     return times
 
 
-def make_subgroups(pp_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def make_subgroups(pp_size: int, timeout: timedelta | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Returns this rank's ``(dp_group, pp_group)`` for ``world_size / pp_size`` pipelines of ``pp_size`` stages.
 
     [Note: layout] Pipelines are consecutive ranks: pipeline ``i`` is ranks ``i*pp_size ... i*pp_size +
     pp_size - 1`` and its stage ``s`` is rank ``i*pp_size + s``. The data-parallel group of stage ``s`` is
     ``s, s + pp_size, s + 2*pp_size, ...``. With hosts of ``pp_size`` ranks each pipeline stays inside a
     host (point-to-point traffic on shared memory) and gradients all-reduce across hosts. Collective:
-    every rank calls it.
+    every rank calls it. ``timeout`` bounds every operation of the new groups.
     """
     if not dist.is_initialized():
         raise RuntimeError("make_subgroups needs torch.distributed initialized (dist.init_process_group)")
@@ -162,11 +163,11 @@ def make_subgroups(pp_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     rank = dist.get_rank()
     pp_group = dp_group = None
     for i in range(world // pp_size):
-        group = dist.new_group(list(range(i * pp_size, (i + 1) * pp_size)))
+        group = dist.new_group(list(range(i * pp_size, (i + 1) * pp_size)), timeout=timeout)
         if rank // pp_size == i:
             pp_group = group
     for s in range(pp_size):
-        group = dist.new_group(list(range(s, world, pp_size)))
+        group = dist.new_group(list(range(s, world, pp_size)), timeout=timeout)
         if rank % pp_size == s:
             dp_group = group
     return dp_group, pp_group

@@ -5,5 +5,12 @@ Importing this package registers every strategy name with Lightning's ``Strategy
 
 from lightning_haiscale.strategies.ddp import HaiDDPStrategy
 from lightning_haiscale.strategies.fsdp import HaiFSDPStrategy
+from lightning_haiscale.strategies.pipeline import GPipeStrategy, Interleaved1F1BStrategy, PipeDreamStrategy
 
-__all__: list[str] = ["HaiDDPStrategy", "HaiFSDPStrategy"]
+__all__: list[str] = [
+    "GPipeStrategy",
+    "HaiDDPStrategy",
+    "HaiFSDPStrategy",
+    "Interleaved1F1BStrategy",
+    "PipeDreamStrategy",
+]

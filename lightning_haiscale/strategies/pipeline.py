@@ -1,0 +1,558 @@
+"""``GPipeStrategy`` ("hai_gpipe"), ``PipeDreamStrategy`` ("hai_pipedream"), ``Interleaved1F1BStrategy``
+("hai_interleaved_1f1b"): Lightning adapters over ``lightning_haiscale.pipeline``.
+
+[Note: pipelines inside automatic optimization] Lightning's closure runs ``training_step``, then
+``zero_grad``, then ``backward``. The whole schedule (every microbatch's forward and backward) runs in
+``training_step``, so the strategy owns ``zero_grad``: it calls the module's ``optimizer_zero_grad`` at the
+start of each accumulation window, before the schedule, and turns the call Lightning makes later into a
+no-op; ``backward`` only runs the ``on_before_backward`` / ``on_after_backward`` hooks. Each microbatch's
+loss is scaled by ``1 / (chunks * accumulate_grad_batches)``, so accumulated gradients are those of the mean.
+
+[Note: supported step forms] The network is the LightningModule's one ``nn.Sequential`` attribute (or
+``module_name=``); it is replaced by a ``StageProxy`` holding this rank's layers. Steps run unmodified
+through capture and replay (see ``lightning_haiscale.pipeline.capture``): the step must call the network
+exactly once (``out = self(x)`` with ``forward`` calling it, or ``self.net(x)``), batch rows must be
+independent, ``training_step`` must return the loss tensor (or a dict with ``"loss"``), and values given
+to ``self.log`` are averaged over microbatches. Anything else raises with the reason. The loss and logs
+of the last stage are broadcast to its pipeline and logged on every rank, so rank 0's progress bar and
+loggers see them; torchmetrics objects are logged by attribute on every rank (they sync themselves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import nn
+from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
+
+from lightning_haiscale.ddp import DistributedDataParallel
+from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups, partition
+from lightning_haiscale.pipeline.capture import InputsCaptured, StageProxy, split_batch
+from lightning_haiscale.pipeline.pipelines import split_microbatches
+
+__all__ = ["GPipeStrategy", "Interleaved1F1BStrategy", "PipeDreamStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class _PipelineStrategy(ParallelStrategy):
+    """What the three pipeline strategies share; subclasses only build their pipeline.
+
+    Args:
+        chunks: microbatches per batch (must divide the training batch size).
+        pp_size: stages per pipeline; ``world_size / pp_size`` pipelines train data parallel (default: one
+            pipeline over the world). Pipelines are consecutive ranks (see ``make_subgroups``).
+        balance: layers per stage, or ``None`` to balance parameter counts, or ``"time"`` (with
+            ``example_inputs``) to balance measured layer time.
+        module_name: the attribute holding the ``nn.Sequential`` (found when there is exactly one).
+        timeout: for every collective and point-to-point transfer (process groups' timeout).
+    """
+
+    strategy_name: ClassVar[str]
+    brackets_activation_offload = True  # it wraps each microbatch's forward in CPUOffloadCallback's context
+
+    def __init__(
+        self,
+        chunks: int = 4,
+        pp_size: int | None = None,
+        balance: Sequence[int] | str | None = None,
+        num_model_chunks: int = 1,
+        checkpoint: str = "never",
+        module_name: str | None = None,
+        timeout: timedelta = default_pg_timeout,
+        example_inputs: tuple[Any, ...] | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        if chunks < 1:
+            raise ValueError(f"chunks={chunks} must be at least 1")
+        self.chunks, self.pp_size, self.balance = chunks, pp_size, balance
+        self.num_model_chunks, self.checkpoint, self.module_name = num_model_chunks, checkpoint, module_name
+        self._timeout, self._example_inputs = timeout, example_inputs
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._dp_group: dist.ProcessGroup | None = None
+        self._pp_group: dist.ProcessGroup | None = None
+        self._stages: list[nn.Module] = []
+        self._pipeline: Pipeline | None = None
+        self._saved_layers: list[str] | None = None
+
+    # ----- topology ----------------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self.parallel_devices is None:
+            raise RuntimeError("the strategy has no devices yet; the Trainer sets them")
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Makes Lightning inject a sampler and honor ``sync_dist`` (SPEC section 3)."""
+        return True
+
+    @property
+    def stages_per_pipeline(self) -> int:
+        return self.pp_size or self.world_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.global_rank % self.stages_per_pipeline
+
+    @property
+    def dp_rank(self) -> int:
+        return self.global_rank // self.stages_per_pipeline
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every stage of a pipeline reads the same batch: shard by data-parallel rank."""
+        return {"num_replicas": self.world_size // self.stages_per_pipeline, "rank": self.dp_rank}
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The plain-layer pipeline this rank runs (after ``setup``)."""
+        return self._pipeline
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        if self.world_size % self.stages_per_pipeline:
+            raise ValueError(f"pp_size={self.pp_size} must divide the world size {self.world_size}")
+        self._dp_group, self._pp_group = make_subgroups(self.stages_per_pipeline, timeout=self._timeout)
+
+    # ----- model -------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.accelerator.setup(trainer)
+        self._install_proxy()
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._pipeline = self._build_pipeline(self._wrap_stages(fitting))
+        self._pipeline.forward_context = _offload_context(trainer)
+        if fitting:
+            self._take_over_zero_grad()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _install_proxy(self) -> None:
+        """Replaces the module's network by a ``StageProxy`` of this rank's layers (once per module)."""
+        module = self.lightning_module
+        name = self.module_name or _find_network(module)
+        network = getattr(module, name)
+        if isinstance(network, StageProxy):
+            if not self._stages:
+                raise RuntimeError(
+                    f"{type(module).__name__}.{name} was partitioned by another pipeline strategy; load the full "
+                    "checkpoint into a fresh module to train it with a new one"
+                )
+            return
+        if not isinstance(network, nn.Sequential):
+            raise TypeError(f"{type(module).__name__}.{name} must be an nn.Sequential, got {type(network).__name__}")
+        parts = partition(
+            network,
+            self.pp_rank,
+            self.stages_per_pipeline,
+            self.balance,
+            self.num_model_chunks,
+            example_inputs=self._example_inputs,
+            process_group=self._pp_group,
+        )
+        self._stages = parts if isinstance(parts, list) else [parts]
+        layers = OrderedDict(item for stage in self._stages for item in stage._modules.items())
+        setattr(module, name, StageProxy(layers))
+        self.module_name = name
+
+    def _wrap_stages(self, fitting: bool) -> list[nn.Module]:
+        if not fitting or self.world_size == self.stages_per_pipeline:
+            return list(self._stages)
+        return [DistributedDataParallel(s, process_group=self._dp_group) for s in self._stages]
+
+    def _build_pipeline(self, stages: list[nn.Module]) -> Pipeline:
+        raise NotImplementedError
+
+    def _take_over_zero_grad(self) -> None:
+        """See [Note: pipelines inside automatic optimization]."""
+        module = self.lightning_module
+        if "optimizer_zero_grad" not in module.__dict__:
+            self._module_zero_grad = module.optimizer_zero_grad
+            module.optimizer_zero_grad = _skip_zero_grad  # type: ignore[method-assign]
+
+    @override
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    # ----- steps -------------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        module, trainer = self.lightning_module, self.lightning_module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        if batch_idx % accumulate == 0:
+            for optimizer in self.optimizers:
+                self._module_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+        batches = split_batch(args[0], self.chunks)  # on every rank: a bad size fails everywhere, at once
+        recorder = _LogRecorder()
+
+        def loss_fn(m: int, output: Any) -> torch.Tensor:
+            with self._proxy.replaying(output), recorder.recording(module, m):
+                return _loss_of(module.training_step(batches[m], *args[1:], **kwargs))
+
+        with self.precision_plugin.train_step_context():
+            inputs = self._capture(module.training_step, args, kwargs)
+            microbatches = split_microbatches(inputs, self.chunks) if inputs is not None else None
+            result = self._pipeline.run_microbatches(microbatches, loss_fn, loss_scale=1.0 / (self.chunks * accumulate))
+        loss = torch.stack([result.losses[m] for m in range(self.chunks)]).mean() if result.losses else None
+        return self._publish(recorder, loss)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._evaluation_step(self.lightning_module.validation_step, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._evaluation_step(self.lightning_module.test_step, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The last stage's predictions; ``None`` on the other stages."""
+        with self.precision_plugin.predict_step_context():
+            return self._evaluation_step(self.lightning_module.predict_step, args, kwargs, publish=False)
+
+    def _evaluation_step(self, step: Callable[..., Any], args: tuple, kwargs: dict, publish: bool = True) -> Any:
+        inputs = self._capture(step, args, kwargs)
+        output = self._pipeline(*inputs) if inputs is not None else self._pipeline()
+        recorder, result = _LogRecorder(), None
+        if self._pipeline.is_last_stage:
+            with self._proxy.replaying(output), recorder.recording(self.lightning_module, 0):
+                result = step(*args, **kwargs)
+        if publish:
+            self._publish(recorder, None)
+        return result
+
+    @property
+    def _proxy(self) -> StageProxy:
+        return getattr(self.lightning_module, self.module_name)
+
+    def _capture(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, ...] | None:
+        """The network's inputs on the first stage (the step runs up to the network call); ``None`` elsewhere."""
+        if not self._pipeline.is_first_stage:
+            return None
+        with self._proxy.capturing(), _patched(self.lightning_module, "log", _ignore):
+            try:
+                step(*args, **kwargs)
+            except InputsCaptured as captured:
+                return captured.inputs
+        raise RuntimeError(
+            f"{step.__name__} never called the network {self.module_name!r}; pipeline strategies need the step to "
+            f"call it once (out = self(x) with forward calling self.{self.module_name})"
+        )
+
+    def _publish(self, recorder: _LogRecorder, loss: torch.Tensor | None) -> torch.Tensor:
+        """Broadcasts the last stage's loss and logs over the pipeline and logs them on every stage."""
+        payload = [{"loss": None if loss is None else float(loss), "logs": recorder.summary()}]
+        if self.stages_per_pipeline > 1:
+            last = (self._pipeline.num_stages - 1) % self._pipeline.num_ranks
+            dist.broadcast_object_list(payload, group=self._pp_group, group_src=last)
+        module = self.lightning_module
+        for name, kind, value, log_kwargs in payload[0]["logs"]:
+            shown = module.get_submodule(value) if kind == "metric" else torch.tensor(value, device=self.root_device)
+            module.log(name, shown, **log_kwargs)
+        value = payload[0]["loss"]
+        return torch.tensor(value if value is not None else float("nan"), device=self.root_device)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The schedule already ran every backward in ``training_step``: only the hooks run here."""
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        with self._pipeline.no_sync() if self._pipeline is not None else contextlib.nullcontext():
+            yield
+
+    # ----- collectives -------------------------------------------------------------------------------
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Over the world: every stage logs its pipeline's values, so this averages the data-parallel replicas."""
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if torch.is_tensor(tensor) else tensor
+
+    # ----- checkpoints -------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full module's state dict, gathered from the stages of this rank's pipeline."""
+        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        if self.stages_per_pipeline == 1:
+            return local
+        parts: list[Any] = [None] * self.stages_per_pipeline
+        dist.all_gather_object(parts, local, group=self._pp_group)
+        return {k: v for part in parts for k, v in part.items()}
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
+        """Rank 0 writes the full checkpoint (weights of every stage; optimizer states stay per stage); the
+        first pipeline's stages write ``<file>.stage<k>`` with their part and their optimizer states."""
+        if self.dp_rank == 0:
+            torch.save(self._stage_state(checkpoint), _stage_path(filepath, self.pp_rank))
+        if self.is_global_zero:
+            full = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
+            full["pipeline"] = {"stages": self.stages_per_pipeline, "num_model_chunks": self.num_model_chunks}
+            self.checkpoint_io.save_checkpoint(full, filepath, storage_options=storage_options)
+
+    def _stage_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "layers": sorted(self._proxy.state_dict()),
+            "state_dict": {f"{self.module_name}.{k}": v for k, v in self._proxy.state_dict().items()},
+            "optimizer_states": checkpoint.get("optimizer_states", []),
+        }
+
+    @override
+    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
+        if self.dp_rank == 0 and os.path.exists(_stage_path(filepath, self.pp_rank)):
+            os.remove(_stage_path(filepath, self.pp_rank))
+        super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        """The full checkpoint, with this stage's optimizer states when its stage file matches this layout."""
+        checkpoint = dict(self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only))
+        stage_file = _stage_path(checkpoint_path, self.pp_rank)
+        safe = weights_only if weights_only is not None else True
+        stage = torch.load(stage_file, weights_only=safe) if os.path.exists(stage_file) else None
+        self._saved_layers = stage["layers"] if stage is not None else None
+        checkpoint["optimizer_states"] = stage["optimizer_states"] if stage is not None else []
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Restores optimizers only from a stage file of this very layout (same layers on this rank)."""
+        if self._saved_layers != sorted(self._proxy.state_dict()):
+            log.info("the checkpoint has no optimizer states for this stage layout: optimizers start fresh")
+            return
+        super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Loads this stage's slice of a full state dict (from any number of stages, or none)."""
+        module = self.lightning_module
+        wanted = module.state_dict().keys()
+        missing = [k for k in wanted if k not in checkpoint["state_dict"]]
+        if strict and missing:
+            raise KeyError(f"the checkpoint lacks {len(missing)} keys of this stage, e.g. {missing[:3]}")
+        module.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k in wanted}, strict=strict)
+
+    @override
+    def teardown(self) -> None:
+        for stage in self._pipeline.stages if self._pipeline is not None else []:
+            if isinstance(stage, DistributedDataParallel):
+                stage.reducer.stop()
+        if self.lightning_module is not None:
+            self.lightning_module.__dict__.pop("optimizer_zero_grad", None)
+        self.cluster_environment.teardown()
+        super().teardown()
+
+    @classmethod
+    def _register(cls, description: str) -> None:
+        if cls.strategy_name not in StrategyRegistry:
+            StrategyRegistry.register(cls.strategy_name, cls, description=description)
+
+
+class GPipeStrategy(_PipelineStrategy):
+    """GPipe: all forwards, then all backwards; ``checkpoint`` ("never", "always", "except_last")."""
+
+    strategy_name = "hai_gpipe"
+
+    @override
+    def _build_pipeline(self, stages: list[nn.Module]) -> Pipeline:
+        return GPipe(stages[0], self.chunks, self._pp_group, checkpoint=self.checkpoint)
+
+
+class PipeDreamStrategy(_PipelineStrategy):
+    """PipeDream-flush (1F1B): stage ``r`` of ``S`` keeps at most ``S - r`` microbatches' activations."""
+
+    strategy_name = "hai_pipedream"
+
+    @override
+    def _build_pipeline(self, stages: list[nn.Module]) -> Pipeline:
+        return PipeDream(stages[0], self.chunks, self._pp_group)
+
+
+class Interleaved1F1BStrategy(_PipelineStrategy):
+    """Interleaved 1F1B with ``num_model_chunks`` chunks per rank (default 2); ``chunks`` a multiple of pp_size."""
+
+    strategy_name = "hai_interleaved_1f1b"
+
+    def __init__(self, *args: Any, num_model_chunks: int = 2, **kwargs: Any) -> None:
+        super().__init__(*args, num_model_chunks=num_model_chunks, **kwargs)
+
+    @override
+    def _build_pipeline(self, stages: list[nn.Module]) -> Pipeline:
+        return Interleaved1F1B(stages, self.chunks, self._pp_group)
+
+
+class _LogRecorder:
+    """Collects a step's ``self.log`` calls per microbatch, to log them once, averaged, on every stage."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, tuple[list[Any], dict[str, Any], Any]] = {}
+        self.module: nn.Module | None = None
+
+    @contextlib.contextmanager
+    def recording(self, module: pl.LightningModule, microbatch: int) -> Generator[None, None, None]:
+        self.module = module
+
+        def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if args:
+                raise TypeError("pipeline strategies need self.log's options as keywords (self.log(name, value, k=v))")
+            values, _, _ = self.calls.setdefault(name, ([], kwargs, None))
+            values.append(value)
+
+        with _patched(module, "log", record):
+            yield
+
+    def summary(self) -> list[tuple[str, str, Any, dict[str, Any]]]:
+        """``(name, "metric", attribute path, kwargs)`` or ``(name, "value", mean as float, kwargs)``."""
+        out = []
+        for name, (values, kwargs, _) in self.calls.items():
+            if isinstance(values[0], nn.Module):
+                path = next((p for p, m in self.module.named_modules() if m is values[0]), None)
+                if path is None:
+                    raise ValueError(f"self.log({name!r}, metric): the metric must be an attribute of the module")
+                out.append((name, "metric", path, kwargs))
+            else:
+                mean = sum(float(torch.as_tensor(v).detach().float().mean()) for v in values) / len(values)
+                out.append((name, "value", mean, kwargs))
+        return out
+
+
+def _loss_of(result: Any) -> torch.Tensor:
+    loss = result.get("loss") if isinstance(result, Mapping) else result
+    if not torch.is_tensor(loss):
+        raise TypeError(
+            "pipeline strategies need training_step to return the loss tensor or a dict with 'loss'; got "
+            f"{type(result).__name__}"
+        )
+    return loss
+
+
+def _find_network(module: nn.Module) -> str:
+    names = [n for n, child in module.named_children() if isinstance(child, nn.Sequential)]
+    if len(names) != 1:
+        raise ValueError(
+            f"{type(module).__name__} has {len(names)} nn.Sequential attributes ({names}); pipeline strategies need "
+            "exactly one, or module_name= naming the network"
+        )
+    return names[0]
+
+
+def _offload_context(trainer: pl.Trainer) -> Callable[[], contextlib.AbstractContextManager] | None:
+    from lightning_haiscale.callbacks import CPUOffloadCallback
+
+    callbacks = [c for c in trainer.callbacks if isinstance(c, CPUOffloadCallback)]
+    return callbacks[0].offload_context if callbacks else None
+
+
+def _stage_path(filepath: str | os.PathLike, stage: int) -> str:
+    return f"{os.fspath(filepath)}.stage{stage}"
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Generator[None, None, None]:
+    obj.__dict__[name] = value
+    try:
+        yield
+    finally:
+        obj.__dict__.pop(name, None)
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _skip_zero_grad(*args: Any, **kwargs: Any) -> None:
+    """Lightning's own zero_grad comes after the schedule ran; the strategy zeroes before it instead."""
+
+
+GPipeStrategy._register("pipeline parallel, GPipe schedule (lightning_haiscale.pipeline)")
+PipeDreamStrategy._register("pipeline parallel, 1F1B schedule (lightning_haiscale.pipeline)")
+Interleaved1F1BStrategy._register("pipeline parallel, interleaved 1F1B schedule (lightning_haiscale.pipeline)")
