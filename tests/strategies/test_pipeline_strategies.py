@@ -19,6 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_haiscale  # noqa: F401 - registers the strategies
+from lightning_haiscale.callbacks import CPUOffloadCallback
+from lightning_haiscale.cpu_offload import offload_stats
 from lightning_haiscale.strategies import GPipeStrategy, Interleaved1F1BStrategy, PipeDreamStrategy
 from tests.distributed import run_distributed
 
@@ -119,6 +121,11 @@ def _train_world_2(rank: int, world: int, tmp: str) -> None:
         if rank == 0:  # the last stage's values reach rank 0, which is the first stage
             assert abs(float(trainer.callback_metrics["train_loss"]) - last_loss) < 1e-5, label
             assert "val_loss" in trainer.callback_metrics
+    offload = CPUOffloadCallback(1.0, tag="pipeline-test", min_bytes=0, force_copy=True)
+    trainer = fit(PipeDreamStrategy(chunks=2), tmp, callbacks=[offload])  # each microbatch's forward offloads
+    _check_full_state(trainer, expected, "offload")
+    stats = offload_stats("pipeline-test")
+    assert stats.entries == STEPS * 2 and stats.total_bytes_offloaded > 0
     expected_acc, _ = reference(STEPS, BATCH, accumulate=2)
     trainer = fit(PipeDreamStrategy(chunks=2), tmp, accumulate=2)
     _check_full_state(trainer, expected_acc, "accumulate")
