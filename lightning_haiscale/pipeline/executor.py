@@ -62,6 +62,7 @@ class StepConfig:
     loss_scale: float = 1.0
     keep_outputs: bool = False
     sync_grads: bool = True
+    header_every_microbatch: bool = False
     checkpoint: Callable[[int], bool] = lambda m: False
     forward_context: Callable[[], AbstractContextManager] | None = None
 
@@ -122,7 +123,10 @@ class _Step:
         self.payloads: dict[tuple[int, int], tuple[torch.Tensor, list[p2p.TensorMeta], dist.Work]] = {}
         self.grads: dict[tuple[int, int], tuple[torch.Tensor, list[p2p.TensorMeta], dist.Work] | None] = {}
         self.saved: dict[tuple[int, int], tuple[tuple[Any, ...], Any]] = {}
-        self.outbox: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.outbox: dict[tuple[int, int], list[Any]] = {}
+        self.sent_metas: dict[int, list[p2p.TensorMeta]] = {}
+        self.recv_metas: dict[int, list[p2p.TensorMeta]] = {}
+        self.deferred: dict[int, list[int]] = {}
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.last_backward = {a.stage: i for i, a in enumerate(actions) if a.type is ActionType.BACKWARD}
         self.position = 0
@@ -161,7 +165,7 @@ class _Step:
         if self.cfg.training:
             self.saved[(stage, m)] = (inputs, outs)
             self.result.peak_live = max(self.result.peak_live, self._live(stage))
-        self.outbox[(stage, m)] = [p2p.encode_header(outs).to(self.device), p2p.pack(outs)]
+        self.outbox[(stage, m)] = self._outgoing(stage, m, outs)
 
     def _finish_last_forward(self, stage: int, m: int, inputs: tuple[Any, ...], out: Any, loss: Any) -> None:
         if loss is not None:
@@ -212,35 +216,63 @@ class _Step:
     def _peer(self, stage: int) -> int:
         return stage % self.cfg.num_ranks
 
+    def _has_header(self, m: int) -> bool:
+        return m == 0 or self.cfg.header_every_microbatch
+
+    def _outgoing(self, stage: int, m: int, outs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The header (first microbatch, or every one in evaluation) and payload of a stage's outputs."""
+        metas = [p2p.TensorMeta.of(o) for o in outs]
+        if self._has_header(m):
+            self.sent_metas[stage] = metas
+            return [p2p.encode_header(outs).to(self.device), p2p.pack(outs)]
+        if metas != self.sent_metas[stage]:
+            raise ValueError(
+                f"stage {stage} gave microbatch {m} outputs {metas}, but microbatch 0 gave {self.sent_metas[stage]}; "
+                "in a training step every microbatch (an even split of one batch) must give the same shapes"
+            )
+        return [None, p2p.pack(outs)]
+
     def send_activation(self, stage: int, m: int) -> None:
         header, payload = self.outbox.pop((stage, m))
         for tensor, kind in ((header, _HEADER), (payload, _ACTIVATION)):
-            work = p2p.isend(tensor, self._peer(stage + 1), self.cfg.group, self._tag(kind, stage + 1, m))
-            self.sends.append((work, tensor))
+            if tensor is not None:
+                work = p2p.isend(tensor, self._peer(stage + 1), self.cfg.group, self._tag(kind, stage + 1, m))
+                self.sends.append((work, tensor))
 
     def post_activation(self, stage: int, m: int) -> None:
-        header = torch.empty(p2p.HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        work = p2p.irecv(header, self._peer(stage - 1), self.cfg.group, self._tag(_HEADER, stage, m))
-        self.headers[(stage, m)] = (header, work)
+        """Posts the header receive, or the payload's when this step's shapes on this edge are known."""
+        if self._has_header(m):
+            header = torch.empty(p2p.HEADER_SLOTS, dtype=torch.int64, device=self.device)
+            work = p2p.irecv(header, self._peer(stage - 1), self.cfg.group, self._tag(_HEADER, stage, m))
+            self.headers[(stage, m)] = (header, work)
+        elif stage in self.recv_metas:
+            self._post_payload(stage, m, self.recv_metas[stage])
+        else:
+            self.deferred.setdefault(stage, []).append(m)
 
-    def _post_payload(self, key: tuple[int, int]) -> None:
+    def _receive_header(self, key: tuple[int, int]) -> None:
         header, work = self.headers.pop(key)
         work.wait()
-        metas = p2p.decode_header(header.cpu())
-        buffer = p2p.empty_buffer(metas, self.device)
         stage, m = key
+        self.recv_metas[stage] = p2p.decode_header(header.cpu())
+        self._post_payload(stage, m, self.recv_metas[stage])
+        for later in self.deferred.pop(stage, []):
+            self._post_payload(stage, later, self.recv_metas[stage])
+
+    def _post_payload(self, stage: int, m: int, metas: list[p2p.TensorMeta]) -> None:
+        buffer = p2p.empty_buffer(metas, self.device)
         work = p2p.irecv(buffer, self._peer(stage - 1), self.cfg.group, self._tag(_ACTIVATION, stage, m))
-        self.payloads[key] = (buffer, metas, work)
+        self.payloads[(stage, m)] = (buffer, metas, work)
 
     def _advance(self) -> None:
         """Posts the payload receive of every arrived header (payloads move during compute); reaps sends."""
         self.sends = [(work, tensor) for work, tensor in self.sends if not work.is_completed()]
         for key in [k for k, (_, work) in self.headers.items() if work.is_completed()]:
-            self._post_payload(key)
+            self._receive_header(key)
 
     def _take_activation(self, stage: int, m: int) -> tuple[Any, ...]:
-        if (stage, m) not in self.payloads:
-            self._post_payload((stage, m))
+        if (stage, m) in self.headers:
+            self._receive_header((stage, m))
         buffer, metas, work = self.payloads.pop((stage, m))
         work.wait()
         tensors = p2p.unpack(buffer, metas)

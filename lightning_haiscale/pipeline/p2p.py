@@ -1,13 +1,16 @@
 """Point-to-point transfer of a stage boundary: a tuple of tensors of any shapes and dtypes.
 
-[Note: boundary protocol] An activation message is a fixed-size ``int64`` header (number of tensors, then
-per tensor its dtype code, requires-grad flag, rank and shape) followed by one payload: the tensor itself
-when there is one contiguous tensor, else every tensor's bytes packed into one ``uint8`` buffer at 16-byte
-aligned offsets. The header goes with every microbatch, so a shape that changes (a smaller last batch, a
-new sequence length, uneven evaluation microbatches) is always received exactly; it is posted one compute
-ahead, so its latency overlaps work. A gradient message needs no header: its receiver sent the outputs
-whose gradients come back, so it knows their shapes; only tensors that require grad have gradients.
-Every message has its own tag, so receives match sends exactly whatever the order they are posted in.
+[Note: boundary protocol] An activation is one payload: the tensor itself when there is one contiguous
+tensor, else every tensor's bytes packed into one ``uint8`` buffer at 16-byte aligned offsets. A
+fixed-size ``int64`` header (number of tensors, then per tensor its dtype code, requires-grad flag, rank
+and shape) precedes the payload of microbatch 0 of every step, so a shape that changes between steps (a
+smaller last batch, a new sequence length) is always received exactly, never truncated. Within a
+training step microbatches are even splits of one batch, so later microbatches reuse microbatch 0's
+shapes: their payload receives are posted a compute ahead with no header (a stage whose output shapes
+differ between microbatches of one step is reported by the sender). Evaluation splits may be uneven:
+there every microbatch carries a header. A gradient message needs no header: its receiver sent the
+outputs whose gradients come back; only tensors that require grad have gradients. Every message has its
+own tag, so receives match sends exactly whatever the order they are posted in.
 """
 
 from __future__ import annotations

@@ -184,6 +184,7 @@ class Pipeline(nn.Module):
             loss_scale=loss_scale,
             keep_outputs=keep,
             sync_grads=self._sync_grads,
+            header_every_microbatch=not training,  # evaluation splits may be uneven
             checkpoint=lambda m: policy == "always" or (policy == "except_last" and m != n - 1),
             forward_context=self.forward_context,
         )

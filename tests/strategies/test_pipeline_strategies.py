@@ -7,6 +7,7 @@ last stage's logged loss must reach rank 0, and checkpoints must round-trip betw
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 from typing import Any
@@ -53,7 +54,7 @@ class Classifier(L.LightningModule):
         self.log("val_loss", F.cross_entropy(self(x), y))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
 
 def data(n: int = BATCH * STEPS * 2) -> TensorDataset:
@@ -65,7 +66,7 @@ def reference(steps: int, batch: int, accumulate: int = 1, dp: int = 1) -> tuple
     """Plain PyTorch on the batches Lightning's sampler gives (shuffled, sharded by data-parallel rank): each
     optimizer step's samples from every replica, their mean loss."""
     module = Classifier()
-    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
     x, y = data().tensors
     orders = [list(DistributedSampler(data(), num_replicas=dp, rank=r, shuffle=True, seed=0)) for r in range(dp)]
     per_step = batch * accumulate
@@ -78,7 +79,9 @@ def reference(steps: int, batch: int, accumulate: int = 1, dp: int = 1) -> tuple
     return {k: v.detach() for k, v in module.state_dict().items()}, float(loss.detach())
 
 
-def fit(strategy: L.pytorch.strategies.Strategy, tmp: str, accumulate: int = 1, **kwargs: Any) -> L.Trainer:
+def fit(
+    strategy: L.pytorch.strategies.Strategy, tmp: str, accumulate: int = 1, ckpt_path: str | None = None, **kwargs: Any
+) -> L.Trainer:
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -96,7 +99,7 @@ def fit(strategy: L.pytorch.strategies.Strategy, tmp: str, accumulate: int = 1, 
         **kwargs,
     )
     module = Classifier()
-    trainer.fit(module, DataLoader(data(), batch_size=BATCH), DataLoader(data(), batch_size=BATCH))
+    trainer.fit(module, DataLoader(data(), batch_size=BATCH), DataLoader(data(), batch_size=BATCH), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -143,6 +146,13 @@ def _checkpoint_round_trip(rank: int, world: int, tmp: str) -> None:
     trainer.save_checkpoint(path)
     dist.barrier()
     assert os.path.exists(f"{path}.stage0") and os.path.exists(f"{path}.stage1")
+    # Resuming with the same layout restores this stage's optimizer state (momentum buffers).
+    saved_state = copy.deepcopy(trainer.optimizers[0].state_dict())
+    resumed = fit(PipeDreamStrategy(chunks=2, pp_size=2), tmp, ckpt_path=path)
+    restored = resumed.optimizers[0].state_dict()
+    assert restored["state"].keys() == saved_state["state"].keys() and saved_state["state"]
+    for i, state in saved_state["state"].items():
+        torch.testing.assert_close(restored["state"][i]["momentum_buffer"], state["momentum_buffer"])
     plain = Classifier()  # the unpartitioned module
     plain.load_state_dict(torch.load(path, weights_only=False)["state_dict"])
     for k, v in expected.items():
