@@ -16,6 +16,7 @@ Pipeline strategies run backward before ``on_before_backward``. A strategy that 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -30,6 +31,7 @@ from lightning_haiscale.cpu_offload.stats import region_record
 __all__ = ["CPUOffloadCallback"]
 
 log = logging.getLogger(__name__)
+_PRIVATE_TAGS = itertools.count()
 
 
 class CPUOffloadCallback(Callback):
@@ -47,7 +49,7 @@ class CPUOffloadCallback(Callback):
 
     def __init__(self, offload_ratio: float, tag: str | None = None, **offload_options: Any) -> None:
         self.offload_ratio = check_ratio(offload_ratio)
-        self.tag = tag if tag is not None else f"CPUOffloadCallback@{id(self):x}"
+        self.tag = tag if tag is not None else f"CPUOffloadCallback-{next(_PRIVATE_TAGS)}"
         self._options = offload_options
         CPUOffload(self.offload_ratio, None, **offload_options)  # rejects bad options now, not mid-fit
         self._region: CPUOffload | None = None
