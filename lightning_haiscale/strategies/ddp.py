@@ -70,6 +70,13 @@ def _register() -> None:
         StrategyRegistry.register(
             "hai_ddp", HaiDDPStrategy, description="data parallel on the hfreduce shared-memory engine"
         )
+    if "hai_ddp_spawn" not in StrategyRegistry:  # Lightning's spawn launcher: trained weights come back
+        StrategyRegistry.register(
+            "hai_ddp_spawn",
+            HaiDDPStrategy,
+            description="hai_ddp with processes started by torch.multiprocessing.spawn",
+            start_method="spawn",
+        )
 
 
 _register()

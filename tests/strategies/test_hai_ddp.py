@@ -195,3 +195,22 @@ def _two_hosts(rank: int, world: int, tmp: Path) -> None:
 
 def test_hai_ddp_on_two_hosts_of_two_ranks(tmp_path: Path) -> None:
     run_distributed(_run_all, 4, str(tmp_path), [_two_hosts], node_ids=["a", "a", "b", "b"], timeout=240)
+
+
+def test_hai_ddp_spawn_returns_trained_weights() -> None:
+    """Lightning's spawn launcher starts the processes; the trained weights come back to this one."""
+    models, strategies = [], []
+    for strategy in ("hai_ddp_spawn", "ddp_spawn"):
+        torch.manual_seed(0)
+        model = BoringModel()
+        initial = model.layer.weight.detach().clone()
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        )  # fmt: skip
+        trainer.fit(model)
+        assert not torch.equal(model.layer.weight, initial)
+        models.append(model)
+        strategies.append(trainer.strategy)
+    assert isinstance(strategies[0], HaiDDPStrategy)
+    _assert_close(models[0], models[1])
