@@ -4,13 +4,14 @@
 Each parameter's ``.grad`` is a view of its slice of one flat storage per (dtype, device); on CPU that
 storage comes from ``Communicator.alloc_buffer``, so the engine reduces a bucket in shared memory with no
 copy in or out, and there is no second copy of the gradients. Autograd accumulates into an existing
-``.grad`` in place, so the view survives backward. What would break it is ``.grad = None``
-(``optimizer.zero_grad(set_to_none=True)``, the default of torch and Lightning): the next backward would
-store a fresh tensor. So every parameter has a hook that runs just *before* its gradient is accumulated
-(``Tensor.register_hook`` on a leaf is a pre-hook of its AccumulateGrad node): a ``None`` gradient is
-replaced by its view, zeroed; a gradient the user replaced by another tensor is copied into the view and
-replaced by it. The view is back before any gradient lands, whatever happened to ``.grad`` between steps,
-and ``set_to_none`` keeps its meaning (an optimizer skips parameters that got no gradient yet).
+``.grad`` in place, so the view survives backward and gradient accumulation. What breaks it is
+``.grad = None`` (``optimizer.zero_grad(set_to_none=True)``, the default of torch and Lightning): the next
+backward stores a fresh tensor. The hook that runs after each accumulation (the same one that marks the
+gradient ready) therefore copies a gradient that is not its view into the view and makes ``.grad`` the
+view again, before the bucket can launch. That is one copy of the gradient per step under
+``set_to_none=True`` (none with ``set_to_none=False``); it was measured cheaper than re-attaching a
+zeroed view before accumulation (a memset plus an add instead of the copy), and it keeps
+``set_to_none`` meaning what it means (an optimizer skips parameters that got no gradient).
 
 [Note: bucket launch order]
 Every rank must issue the same collectives in the same order, but the order of gradient hooks can differ
@@ -98,7 +99,6 @@ class Reducer:
         me = weakref.ref(self)  # the hooks must not keep the reducer (and its communicator) alive
         handles = []
         for i, p in enumerate(self.params):
-            handles.append(p.register_hook(functools.partial(_before_accumulate, me, i)))
             handles.append(p.register_post_accumulate_grad_hook(functools.partial(_after_accumulate, me, i)))
         return handles
 
@@ -132,7 +132,7 @@ class Reducer:
     # ------------------------------------------------------------------------------- hooks
 
     def attach_grad(self, i: int) -> None:
-        """Makes ``params[i].grad`` its bucket view again (see [Note: zero-copy gradients])."""
+        """Makes ``params[i].grad`` its bucket view, with the same value (see [Note: zero-copy gradients])."""
         p, view = self.params[i], self.grad_views[i]
         grad = p.grad
         if grad is None:
@@ -145,6 +145,7 @@ class Reducer:
 
     def mark_ready(self, i: int) -> None:
         """Called once ``params[i]``'s gradient is accumulated; launches the buckets that became complete."""
+        self.attach_grad(i)
         if not self.require_backward_grad_sync or self.stopped:
             return
         if not self._callback_queued:
@@ -196,12 +197,6 @@ class Reducer:
             flags[i] = int(has)
         self.comm.all_reduce(flags, op="sum")
         return [bool(flags[i] > 0) for i in missing]
-
-
-def _before_accumulate(reducer: weakref.ref[Reducer], i: int, grad: torch.Tensor) -> None:
-    r = reducer()
-    if r is not None:
-        r.attach_grad(i)
 
 
 def _after_accumulate(reducer: weakref.ref[Reducer], i: int, param: torch.Tensor) -> None:
