@@ -1,0 +1,116 @@
+"""hai_ddp vs Lightning's "ddp" (gloo) on the GPT example, side by side in one run.
+
+    flock /tmp/lhs-bench.lock python benchmarks/strategies.py ddp [--configs compute,comm] [--repeats 1]
+
+Every (config, strategy) pair trains in 2 fresh processes with one thread each, on the same data and
+steps; samples/s is measured after the warm-up steps, peak RSS is each rank's ``ru_maxrss``. Configs:
+
+- ``compute``: GPT ``tiny`` (0.9M parameters), batch 8 x 256 tokens per rank: the step is compute.
+- ``comm``: GPT ``small`` (85M parameters), batch 1 x 16 tokens per rank: little compute per step, so
+  the gradient all-reduce (340 MB) and AdamW's update make most of it.
+
+Pairs run interleaved (ddp, hai_ddp, then hai_ddp, ddp, ...) so that load from other jobs on a shared
+machine hits both sides alike; samples/s is the median over repeats, RSS the maximum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+
+from examples.gpt.data import GPTDataModule
+from examples.gpt.lightning_module import GPTLightningModule
+from examples.gpt.model import config
+from examples.gpt.train import Throughput
+from tests.distributed import run_distributed
+
+STRATEGIES = ("ddp", "hai_ddp")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str
+    batch: int
+    block: int
+    steps: int
+    warmup: int
+
+
+CONFIGS = {
+    "compute": BenchConfig("tiny", batch=8, block=256, steps=40, warmup=5),
+    "comm": BenchConfig("small", batch=1, block=16, steps=12, warmup=3),
+}
+
+
+def _worker(rank: int, world: int, strategy: str, bench: BenchConfig) -> dict[str, float]:
+    import lightning_haiscale  # noqa: F401  (registers "hai_ddp" in the spawned process)
+
+    torch.manual_seed(0)
+    module = GPTLightningModule(config(bench.model, block_size=bench.block))
+    data = GPTDataModule(block_size=bench.block, batch_size=bench.batch, max_bytes=1 << 20)
+    throughput = Throughput(bench.warmup)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=bench.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[throughput],
+    )
+    trainer.fit(module, datamodule=data)
+    return {
+        "samples_per_s": throughput.samples_per_second(trainer) or float("nan"),
+        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "params_m": sum(p.numel() for p in module.parameters()) / 1e6,
+    }
+
+
+def _measure(name: str, repeats: int) -> dict[str, dict[str, float]]:
+    runs: dict[str, list[list[dict[str, float]]]] = {s: [] for s in STRATEGIES}
+    for repeat in range(repeats):
+        for strategy in STRATEGIES if repeat % 2 == 0 else STRATEGIES[::-1]:
+            runs[strategy].append(run_distributed(_worker, 2, strategy, CONFIGS[name], timeout=900))
+    return {
+        strategy: {
+            "samples_per_s": statistics.median(r[0]["samples_per_s"] for r in rs),
+            "rss_mib": max(rank["rss_mib"] for r in rs for rank in r),
+            "params_m": rs[0][0]["params_m"],
+        }
+        for strategy, rs in runs.items()
+    }
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks/strategies.py ddp", description=__doc__)
+    p.add_argument("--configs", default="compute,comm", help=f"comma-separated, of {sorted(CONFIGS)}")
+    p.add_argument("--repeats", type=int, default=2, help="runs per pair (median samples/s, max RSS)")
+    args = p.parse_args(argv)
+    names = args.configs.split(",")
+    unknown = sorted(set(names) - set(CONFIGS))
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS)}")
+    print("| config | params | batch/rank | ddp samples/s | hai_ddp samples/s | speed-up | ddp peak RSS/rank "
+          "| hai_ddp peak RSS/rank | RSS ratio |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        bench = CONFIGS[name]
+        result = _measure(name, args.repeats)
+        ddp, hai = result["ddp"], result["hai_ddp"]
+        print(
+            f"| {name} ({bench.model}) | {ddp['params_m']:.1f}M | {bench.batch}x{bench.block} "
+            f"| {ddp['samples_per_s']:.2f} | {hai['samples_per_s']:.2f} "
+            f"| {hai['samples_per_s'] / ddp['samples_per_s']:.2f}x | {ddp['rss_mib']:.0f} MiB "
+            f"| {hai['rss_mib']:.0f} MiB | {hai['rss_mib'] / ddp['rss_mib']:.2f} |",
+            flush=True,
+        )
+    return 0
