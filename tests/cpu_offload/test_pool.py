@@ -40,9 +40,10 @@ def test_negative_limit_is_rejected():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for pinned memory")
 def test_cap_evicts_idle_buffers_of_other_sizes():
-    pool = PinnedBufferPool(limit_bytes=3 << 20)
+    pool = PinnedBufferPool(limit_bytes=4 << 20)
     small = pool.acquire(1 << 20, pin=True)
     assert small.pinned and small.block.is_pinned()
     pool.release(small)
-    big = pool.acquire(3 << 20, pin=True)  # fits only once the idle 1 MiB buffer is dropped
-    assert big.pinned and pool.pinned_bytes == 3 << 20 and pool.idle_bytes == 0
+    big = pool.acquire(3 << 20, pin=True)  # a 4 MiB class: fits only once the idle 1 MiB buffer is dropped
+    assert big.pinned and pool.pinned_bytes == 4 << 20 and pool.idle_bytes == 0
+    assert not pool.acquire(1 << 20, pin=True).pinned and pool.pageable_fallbacks == 1
