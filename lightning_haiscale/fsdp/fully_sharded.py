@@ -29,6 +29,12 @@ from lightning_haiscale.fsdp.api import BackwardPrefetch, MixedPrecision, StateD
 from lightning_haiscale.fsdp.collectives import all_reduce_sum
 from lightning_haiscale.fsdp.deferred_init import materialize_unit
 from lightning_haiscale.fsdp.param_group import FSDPParamGroup, ShardState
+from lightning_haiscale.fsdp.state_dict import (
+    full_state_dict,
+    load_full_state_dict,
+    load_sharded_state_dict,
+    sharded_state_dict,
+)
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy, assign_params, unit_modules, unit_scopes
 from lightning_haiscale.hfreduce import Communicator
 
@@ -279,14 +285,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """Full (rank 0, CPU; empty elsewhere) or sharded, per :meth:`state_dict_type`. Collective."""
-        from lightning_haiscale.fsdp.state_dict import full_state_dict, sharded_state_dict
-
         return full_state_dict(self) if self._state_dict_type is StateDictType.FULL else sharded_state_dict(self)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Loads a full state dict (on every rank) or this world's sharded ones, per :meth:`state_dict_type`."""
-        from lightning_haiscale.fsdp.state_dict import load_full_state_dict, load_sharded_state_dict
-
         if self._state_dict_type is StateDictType.FULL:
             return load_full_state_dict(self, state_dict, strict=strict)
         return load_sharded_state_dict(self, [state_dict], strict=strict)
