@@ -48,6 +48,8 @@ def _entry(
     )
     if node_ids is not None:
         os.environ[NODE_ID_ENV] = node
+    for leaked in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # seed_everything() in the parent must not leak in
+        os.environ.pop(leaked, None)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))

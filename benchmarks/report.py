@@ -1,0 +1,188 @@
+"""``make bench``: every technique beside its peer in one run; writes RESULTS.md's summary and results.png.
+
+    python benchmarks/report.py [--quick] [--only allreduce,ddp,fsdp,pipeline,offload]
+
+Each benchmark runs as its own subprocess (its log under ``benchmarks/logs/``) and writes rows as JSON:
+``technique, config, ours, peer, metric, ours_value, peer_value`` (higher is better) and, where measured,
+``ours_rss_mib, peer_rss_mib``. The summary table replaces the block between the report markers at the
+top of RESULTS.md; the detailed sections below it are kept. The chart needs matplotlib
+(``pip install .[bench]``); without it the table is still written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning
+import torch
+from tqdm import tqdm
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "RESULTS.md"
+BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    args: list[str]
+    expected_s: int  # for the progress bar only
+    needs_cuda: bool = False
+
+
+def runs(quick: bool) -> list[Run]:
+    repeats = ["--repeats", "1"] if quick else []
+    return [
+        Run("allreduce", ["allreduce.py", "--world", "2", "--min", "4K", "--max", "64M"], 60),
+        Run("ddp", ["strategies.py", "ddp", *repeats], 300 if quick else 500),
+        Run("fsdp", ["strategies.py", "fsdp"], 300),
+        Run("pipeline", ["strategies.py", "pipeline"], 240),
+        Run("offload", ["offload_gpu.py"], 120, needs_cuda=True),
+    ]
+
+
+def run_one(run: Run, logs: Path) -> list[dict]:
+    """Runs one benchmark with a progress bar of its expected duration; returns its JSON rows."""
+    out, log = logs / f"{run.name}.json", logs / f"{run.name}.log"
+    cmd = [sys.executable, str(HERE / run.args[0]), *run.args[1:], "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    start = time.monotonic()
+    with log.open("w") as sink, tqdm(total=run.expected_s, desc=run.name, unit="s", leave=True) as bar:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
+        while proc.poll() is None:
+            time.sleep(1)
+            bar.update(min(1, bar.total - bar.n))
+        bar.set_postfix_str(f"{time.monotonic() - start:.0f} s, exit {proc.returncode}")
+    if proc.returncode != 0 or not out.exists():
+        print(f"{run.name}: failed (exit {proc.returncode}); see {log}", file=sys.stderr)
+        return []
+    data = json.loads(out.read_text())
+    return allreduce_rows(data) if run.name == "allreduce" else data["rows"]
+
+
+def allreduce_rows(data: dict) -> list[dict]:
+    """The all-reduce benchmark's latency at 4 KiB and bandwidth at the largest size, engine vs gloo."""
+    small, large = data["rows"][0], data["rows"][-1]
+    gib = large["bytes"] / 2**20
+    return [
+        {
+            "technique": "hfreduce all_reduce",
+            "config": "4 KiB fp32",
+            "ours": "engine",
+            "peer": "gloo",
+            "metric": "calls/s",
+            "ours_value": 1 / small["engine_s"],
+            "peer_value": 1 / small["gloo_s"],
+        },
+        {
+            "technique": "hfreduce all_reduce",
+            "config": f"{gib:g} MiB fp32",
+            "ours": "engine",
+            "peer": "gloo",
+            "metric": "GB/s",
+            "ours_value": large["bytes"] / large["engine_s"] / 1e9,
+            "peer_value": large["bytes"] / large["gloo_s"] / 1e9,
+        },
+        {
+            "technique": "hfreduce all_reduce",
+            "config": f"{gib:g} MiB fp32, alloc_buffer",
+            "ours": "engine",
+            "peer": "gloo",
+            "metric": "GB/s",
+            "ours_value": large["bytes"] / large["buffer_s"] / 1e9,
+            "peer_value": large["bytes"] / large["gloo_s"] / 1e9,
+        },
+    ]
+
+
+def summary(rows: list[dict], command: str) -> str:
+    lines = [
+        BEGIN,
+        "## Summary (written by `make bench`)",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "
+        f"Lightning {lightning.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        f"Command: `{command}`. Higher is better; ratio = ours / peer (RSS: ours / peer, lower is better).",
+        "",
+        "| technique | config | ours | peer | metric | ours | peer | ratio | peak RSS/rank ours / peer |",
+        "|---|---|---|---|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        rss = f"{r['ours_rss_mib']:.0f} / {r['peer_rss_mib']:.0f} MiB" if r.get("peer_rss_mib") else ""
+        lines.append(
+            f"| {r['technique']} | {r['config']} | {r['ours']} | {r['peer']} | {r['metric']} "
+            f"| {r['ours_value']:.3g} | {r['peer_value']:.3g} | {r['ours_value'] / r['peer_value']:.2f}x | {rss} |"
+        )
+    lines += ["", "![results](results.png)", END]
+    return "\n".join(lines)
+
+
+def write_results(block: str) -> None:
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    if BEGIN in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        first, _, rest = text.partition("\n\n")
+        text = f"{first}\n\n{block}\n\n{rest}"
+    RESULTS.write_text(text)
+
+
+def chart(rows: list[dict], path: Path) -> bool:
+    """Grouped bars like haiscale's published comparison: peer = 1.0, ours beside it, ratio on top."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing (pip install .[bench]): table written, chart skipped", file=sys.stderr)
+        return False
+    labels = [f"{r['ours']} vs {r['peer']}\n{r['config']}" for r in rows]
+    ratios = [r["ours_value"] / r["peer_value"] for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(rows)), 4.5))
+    ax.bar([i - 0.2 for i in x], [1.0] * len(rows), width=0.4, label="peer", color="#9aa5b1")
+    bars = ax.bar([i + 0.2 for i in x], ratios, width=0.4, label="lightning-haiscale", color="#d1495b")
+    for bar, ratio in zip(bars, ratios, strict=True):
+        ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("throughput relative to the peer")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one repeat per pair (about 15 minutes on 2 cores)")
+    parser.add_argument("--only", help="comma-separated subset of allreduce,ddp,fsdp,pipeline,offload")
+    args = parser.parse_args()
+    logs = HERE / "logs"
+    logs.mkdir(exist_ok=True)
+    chosen = [r for r in runs(args.quick) if not args.only or r.name in args.only.split(",")]
+    rows: list[dict] = []
+    for run in chosen:
+        if run.needs_cuda and not torch.cuda.is_available():
+            print(f"{run.name}: skipped (needs a GPU)")
+            continue
+        rows += run_one(run, logs)
+    command = "python benchmarks/report.py " + " ".join(sys.argv[1:])
+    write_results(summary(rows, command.strip()))
+    chart(rows, HERE / "results.png")
+    print(summary(rows, command.strip()))
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
