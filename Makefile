@@ -29,6 +29,7 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 bench: $(STAMP)
+	$(PIP) install -q "matplotlib>=3.7" || echo "matplotlib unavailable: the chart is skipped"
 	$(PY) benchmarks/report.py
 
 lint: $(STAMP)

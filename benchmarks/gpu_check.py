@@ -9,6 +9,7 @@ table and exits non-zero on any mismatch. Without a GPU it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -101,6 +102,58 @@ def check_engine() -> list[Row]:
     ]
 
 
+def _ddp_worker(rank: int, world: int) -> float:
+    """hai_ddp's plain layer on CUDA (both ranks on device 0) against one process on the whole batch."""
+    from examples.gpt.model import GPT, config, lm_loss
+    from lightning_haiscale.ddp import DistributedDataParallel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = GPT(config("tiny")).cuda()
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, device_ids=[0])
+    # SGD: AdamW would normalize the float noise of gradients that are zero in exact arithmetic (the
+    # attention key bias) into full-size updates, hiding real differences behind spurious ones.
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        tokens = torch.randint(0, 256, (2 * world, 65), generator=g).cuda()
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        mine = slice(2 * rank, 2 * rank + 2)
+        lm_loss(ddp(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+        lm_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ddp.reducer.stop()
+    return max(
+        ((p - q).norm() / q.norm()).item() for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+
+
+def check_ddp() -> list[Row]:
+    error = max(run_distributed(_ddp_worker, 2, timeout=300))
+    return [Row("hai_ddp CUDA parity vs one process (tiny GPT, 5 SGD steps)", error < 1e-4, f"max rel err {error:.1e}")]
+
+
+def check_gpu_tests() -> list[Row]:
+    """The test suite's GPU-only tests (hai_fsdp CUDA parity, offload's CUDA paths)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    if proc.returncode != 0:
+        print(proc.stdout[-6000:])
+    return [Row("pytest -m gpu tests (hai_fsdp CUDA parity, offload CUDA paths)", proc.returncode == 0, tail)]
+
+
 def check_offload() -> list[Row]:
     script = ROOT / "benchmarks" / "offload_gpu.py"
     out = Path("/tmp/offload_gpu.json")
@@ -113,7 +166,12 @@ def check_offload() -> list[Row]:
     return [Row("offload benchmark (GPT-2 Medium, B8 T1024, bf16)", True, f"table above; json {out}")]
 
 
-CHECKS: dict[str, Callable[[], list[Row]]] = {"engine": check_engine, "offload": check_offload}
+CHECKS: dict[str, Callable[[], list[Row]]] = {
+    "engine": check_engine,
+    "ddp": check_ddp,
+    "gpu_tests": check_gpu_tests,
+    "offload": check_offload,
+}
 
 
 def main() -> int:
