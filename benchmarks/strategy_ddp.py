@@ -16,6 +16,7 @@ machine hits both sides alike; samples/s is the median over repeats, RSS the max
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
 from dataclasses import dataclass
@@ -93,6 +94,7 @@ def _measure(name: str, repeats: int) -> dict[str, dict[str, float]]:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/strategies.py ddp", description=__doc__)
     p.add_argument("--configs", default="compute,comm", help=f"comma-separated, of {sorted(CONFIGS)}")
+    p.add_argument("--json", default=None, help="also write the rows here (for benchmarks/report.py)")
     p.add_argument("--repeats", type=int, default=2, help="runs per pair (median samples/s, max RSS)")
     args = p.parse_args(argv)
     names = args.configs.split(",")
@@ -102,6 +104,7 @@ def main(argv: list[str]) -> int:
     print("| config | params | batch/rank | ddp samples/s | hai_ddp samples/s | speed-up | ddp peak RSS/rank "
           "| hai_ddp peak RSS/rank | RSS ratio |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for name in names:
         bench = CONFIGS[name]
         result = _measure(name, args.repeats)
@@ -113,4 +116,20 @@ def main(argv: list[str]) -> int:
             f"| {hai['rss_mib']:.0f} MiB | {hai['rss_mib'] / ddp['rss_mib']:.2f} |",
             flush=True,
         )
+        rows.append(
+            {
+                "technique": "hai_ddp",
+                "config": f"{name}: {bench.model} {bench.batch}x{bench.block}",
+                "ours": "hai_ddp",
+                "peer": "ddp (gloo)",
+                "metric": "samples/s",
+                "ours_value": hai["samples_per_s"],
+                "peer_value": ddp["samples_per_s"],
+                "ours_rss_mib": hai["rss_mib"],
+                "peer_rss_mib": ddp["rss_mib"],
+            }
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
     return 0
