@@ -138,6 +138,41 @@ def check_ddp() -> list[Row]:
     return [Row("hai_ddp CUDA parity vs one process (tiny GPT, 5 SGD steps)", error < 1e-4, f"max rel err {error:.1e}")]
 
 
+def _pipeline_worker(rank: int, world: int) -> float:
+    """A 2-stage PipeDream on CUDA (both stages on device 0) against one process on the whole batch."""
+    from examples.gpt.model import GPT, config, lm_loss
+    from lightning_haiscale.pipeline import PipeDream, partition
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    seq = GPT(config("tiny", tie_weights=False)).cuda()
+    reference = copy.deepcopy(seq)
+    stage = partition(seq, rank, world)
+    names = {id(p): n for n, p in seq.named_parameters()}
+    pipe = PipeDream(stage, chunks=4)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        tokens = torch.randint(0, 256, (8, 65), generator=g).cuda()
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        pipe.forward_backward(x, criterion=lm_loss, labels=(y,))
+        opt.step()
+        opt.zero_grad()
+        lm_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ref = dict(reference.named_parameters())
+    return max(((p - ref[names[id(p)]]).norm() / ref[names[id(p)]].norm()).item() for p in stage.parameters())
+
+
+def check_pipeline() -> list[Row]:
+    error = max(run_distributed(_pipeline_worker, 2, timeout=300))
+    return [
+        Row("PipeDream 2 stages on CUDA vs one process (tiny GPT, chunks 4)", error < 1e-4, f"max rel err {error:.1e}")
+    ]
+
+
 def check_gpu_tests() -> list[Row]:
     """The test suite's GPU-only tests (hai_fsdp CUDA parity, offload's CUDA paths)."""
     proc = subprocess.run(
@@ -169,6 +204,7 @@ def check_offload() -> list[Row]:
 CHECKS: dict[str, Callable[[], list[Row]]] = {
     "engine": check_engine,
     "ddp": check_ddp,
+    "pipeline": check_pipeline,
     "gpu_tests": check_gpu_tests,
     "offload": check_offload,
 }

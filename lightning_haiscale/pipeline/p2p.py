@@ -129,11 +129,39 @@ def unpack(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> list[torch.Tens
     return [buffer[off : off + m.nbytes].view(m.dtype).view(m.shape) for m, off in zip(metas, offsets, strict=True)]
 
 
-def isend(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+class _StagedWork:
+    """A gloo transfer of a CUDA tensor through host memory (gloo's send/recv read host pointers only).
+    ``wait()`` completes it: a received tensor is copied to the device then."""
+
+    def __init__(self, work: dist.Work, host: torch.Tensor, device_tensor: torch.Tensor | None) -> None:
+        self.work, self.host, self.device_tensor = work, host, device_tensor
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed() and self.device_tensor is None
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if self.device_tensor is not None:
+            self.device_tensor.copy_(self.host)
+            self.device_tensor = None
+        return True
+
+
+def _staged(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    return tensor.is_cuda and dist.get_backend(group) == dist.Backend.GLOO
+
+
+def isend(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work | _StagedWork:
     """Sends to ``peer`` (a rank of ``group``) without waiting."""
+    if _staged(tensor, group):
+        host = tensor.cpu()
+        return _StagedWork(dist.isend(host, group=group, tag=tag, group_dst=peer), host, None)
     return dist.isend(tensor, group=group, tag=tag, group_dst=peer)
 
 
-def irecv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+def irecv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work | _StagedWork:
     """Posts a receive from ``peer`` (a rank of ``group``); wait on the returned work."""
+    if _staged(tensor, group):
+        host = torch.empty(tensor.shape, dtype=tensor.dtype)
+        return _StagedWork(dist.irecv(host, group=group, tag=tag, group_src=peer), host, tensor)
     return dist.irecv(tensor, group=group, tag=tag, group_src=peer)
