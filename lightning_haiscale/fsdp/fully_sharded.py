@@ -167,15 +167,20 @@ class FullyShardedDataParallel(nn.Module):
 
     # ---------------------------------------------------------------------------- backward
 
-    def _root_pre_backward(self, grad: torch.Tensor | None = None) -> None:
+    def _queue_finalize(self) -> None:
+        """Runs :meth:`_finalize_backward` once the whole backward is done (queued once per backward, from
+        whichever hook fires first), the way torch DDP and FSDP do."""
         if not self._callback_queued:
-            # The documented way to run code after the whole backward, as torch DDP and FSDP do.
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
             self._callback_queued = True
+
+    def _root_pre_backward(self, grad: torch.Tensor | None = None) -> None:
+        self._queue_finalize()
         if self._root_group is not None:
             self._pre_backward(self._root_group)
 
     def _pre_backward(self, group: FSDPParamGroup, grad: torch.Tensor | None = None) -> None:
+        self._queue_finalize()
         if id(group) in self._pre_backward_done:
             return
         self._pre_backward_done.add(id(group))
@@ -187,6 +192,7 @@ class FullyShardedDataParallel(nn.Module):
             _prefetch_after(self._backward_order, group)
 
     def _post_backward(self, group: FSDPParamGroup, full: torch.Tensor) -> None:
+        self._queue_finalize()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             _prefetch_after(self._backward_order, group)
         group.reduce_grad(sync=self._sync_grads)
