@@ -12,6 +12,7 @@ meta-device materialization (``to_empty``) unties them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import resource
@@ -19,6 +20,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -170,22 +172,41 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--strategies", default="hai_fsdp,fsdp2,fsdp1")
     parser.add_argument("--repeats", type=int, default=2, help="rounds per config (best samples/s is kept)")
     parser.add_argument("--smoke", action="store_true", help="the tiny GPT: checks the script, measures nothing")
+    parser.add_argument("--json", type=Path, help="also write the rows here, for benchmarks/report.py")
     args = parser.parse_args(argv)
     names = args.strategies.split(",")
     model = config("tiny", tie_weights=False) if args.smoke else MODEL
     params = sum(p.numel() for p in GPT(model).parameters())
     print(f"GPT {params / 1e6:.1f}M parameters, {WORLD} processes, fp32 AdamW, units = Blocks", flush=True)
-    rows = []
+    rows, records = [], []
     for cfg_name in args.configs.split(","):
         cfg = CONFIGS[cfg_name]
         measured = _measure(names, cfg, model, args.repeats)
         hai = measured.get("hai_fsdp", (float("nan"), float("nan")))
         for name, (speed, rss) in measured.items():
             label = f"{cfg.name} (B={cfg.batch}, T={cfg.seq})"
+            if name != "hai_fsdp":
+                records.append(_record(f"GPT {params / 1e6:.0f}M, {label}", name, hai, (speed, rss)))
             rows.append(f"| {label} | {name} | {speed:.2f} | {rss:.0f} | {hai[0] / speed:.2f}x | {hai[1] / rss:.2f}x |")
     header = "| config | strategy | samples/s | peak RSS/rank (MiB) | hai_fsdp samples/s ratio | hai_fsdp RSS ratio |"
     print("\n" + header + "\n|---|---|---|---|---|---|\n" + "\n".join(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rows": records}, indent=1))
     return 0
+
+
+def _record(label: str, peer: str, hai: tuple[float, float], theirs: tuple[float, float]) -> dict[str, Any]:
+    return {
+        "technique": "hai_fsdp",
+        "config": label,
+        "ours": "hai_fsdp",
+        "peer": {"fsdp2": "FSDP2 (ModelParallelStrategy)", "fsdp1": "FSDP1 (FSDPStrategy on CPU)"}.get(peer, peer),
+        "metric": "samples/s",
+        "ours_value": hai[0],
+        "peer_value": theirs[0],
+        "ours_rss_mib": hai[1],
+        "peer_rss_mib": theirs[1],
+    }
 
 
 if __name__ == "__main__":
