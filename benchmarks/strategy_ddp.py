@@ -1,13 +1,15 @@
 """hai_ddp vs Lightning's "ddp" (gloo) on the GPT example, side by side in one run.
 
-    flock /tmp/lhs-bench.lock python benchmarks/strategies.py ddp [--configs compute,comm] [--repeats 1]
+    flock /tmp/lhs-bench.lock python benchmarks/strategies.py ddp [--configs compute,comm,comm_adamw] [--repeats 1]
 
 Every (config, strategy) pair trains in 2 fresh processes with one thread each, on the same data and
 steps; samples/s is measured after the warm-up steps, peak RSS is each rank's ``ru_maxrss``. Configs:
 
 - ``compute``: GPT ``tiny`` (0.9M parameters), batch 8 x 256 tokens per rank: the step is compute.
-- ``comm``: GPT ``small`` (85M parameters), batch 1 x 16 tokens per rank: little compute per step, so
-  the gradient all-reduce (340 MB) and AdamW's update make most of it.
+- ``comm``: GPT ``small`` (85M parameters), batch 1 x 16 tokens per rank, SGD: little compute per step,
+  so the gradient all-reduce (340 MB) makes most of it.
+- ``comm_adamw``: the same with the example's AdamW, whose update of 85M parameters costs about as much
+  as gloo's all-reduce and is the same on both sides: the realistic, less communication-bound case.
 
 Pairs run interleaved (ddp, hai_ddp, then hai_ddp, ddp, ...) so that load from other jobs on a shared
 machine hits both sides alike; samples/s is the median over repeats, RSS the maximum.
@@ -40,19 +42,29 @@ class BenchConfig:
     block: int
     steps: int
     warmup: int
+    optimizer: str = "adamw"
 
 
 CONFIGS = {
     "compute": BenchConfig("tiny", batch=8, block=256, steps=40, warmup=5),
-    "comm": BenchConfig("small", batch=1, block=16, steps=12, warmup=3),
+    "comm": BenchConfig("small", batch=1, block=16, steps=12, warmup=3, optimizer="sgd"),
+    "comm_adamw": BenchConfig("small", batch=1, block=16, steps=12, warmup=3),
 }
+
+
+class _SGDModule(GPTLightningModule):
+    """The GPT module with plain SGD, so that the optimizer step does not hide the communication."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def _worker(rank: int, world: int, strategy: str, bench: BenchConfig) -> dict[str, float]:
     import lightning_haiscale  # noqa: F401  (registers "hai_ddp" in the spawned process)
 
     torch.manual_seed(0)
-    module = GPTLightningModule(config(bench.model, block_size=bench.block))
+    module_class = _SGDModule if bench.optimizer == "sgd" else GPTLightningModule
+    module = module_class(config(bench.model, block_size=bench.block))
     data = GPTDataModule(block_size=bench.block, batch_size=bench.batch, max_bytes=1 << 20)
     throughput = Throughput(bench.warmup)
     trainer = L.Trainer(
@@ -93,7 +105,7 @@ def _measure(name: str, repeats: int) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/strategies.py ddp", description=__doc__)
-    p.add_argument("--configs", default="compute,comm", help=f"comma-separated, of {sorted(CONFIGS)}")
+    p.add_argument("--configs", default="compute,comm,comm_adamw", help=f"comma-separated, of {sorted(CONFIGS)}")
     p.add_argument("--json", default=None, help="also write the rows here (for benchmarks/report.py)")
     p.add_argument("--repeats", type=int, default=2, help="runs per pair (median samples/s, max RSS)")
     args = p.parse_args(argv)
