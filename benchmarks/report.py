@@ -43,7 +43,7 @@ def runs(quick: bool) -> list[Run]:
     return [
         Run("allreduce", ["allreduce.py", "--world", "2", "--min", "4K", "--max", "64M"], 60),
         Run("ddp", ["strategies.py", "ddp", *repeats], 300 if quick else 500),
-        Run("fsdp", ["strategies.py", "fsdp"], 300),
+        Run("fsdp", ["strategies.py", "fsdp", *repeats], 420 if quick else 900),
         Run("pipeline", ["strategies.py", "pipeline"], 240),
         Run("offload", ["offload_gpu.py"], 120, needs_cuda=True),
     ]
