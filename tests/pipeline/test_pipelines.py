@@ -7,10 +7,7 @@ steps (batch and sequence length), so boundary shapes are re-exchanged.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Generator
-from typing import Any
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, SequentialModel, make_subgroups, partition
 from tests.distributed import run_distributed
 
@@ -56,37 +54,10 @@ def _global_batch(step: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([s[0] for s in shards]), torch.cat([s[1] for s in shards])
 
 
-class GradAllReduce(nn.Module):
-    """A stand-in data-parallel wrapper with backward-time ``no_sync``: outside it, each gradient is averaged
-    over ``group`` as soon as the backward has accumulated it."""
-
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.module, self.group, self.sync = module, group, True
-        for p in module.parameters():
-            p.register_post_accumulate_grad_hook(self._reduce)
-
-    def _reduce(self, p: torch.Tensor) -> None:
-        if self.sync:
-            dist.all_reduce(p.grad, group=self.group)
-            p.grad /= dist.get_world_size(self.group)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Generator[None, None, None]:
-        self.sync = False
-        try:
-            yield
-        finally:
-            self.sync = True
-
-    def forward(self, *inputs: Any) -> Any:
-        return self.module(*inputs)
-
-
 def build(schedule: str, chunks: int, pp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup | None):
     rank, size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     seq = mlp()
-    wrap = (lambda m: GradAllReduce(m, dp_group)) if dp_group is not None else (lambda m: m)
+    wrap = (lambda m: DistributedDataParallel(m, process_group=dp_group)) if dp_group is not None else (lambda m: m)
     if schedule == "interleaved":
         chunks_ = partition(seq, rank, size, num_model_chunks=2)
         return Interleaved1F1B([wrap(c) for c in chunks_], chunks, pp_group), chunks_
@@ -126,6 +97,9 @@ def train_and_compare(pp_size: int) -> list[str]:
                 bound = 2 * chunks
             assert pipe.peak_live <= bound, (schedule, chunks, pipe.peak_live, bound)
             done.append(label)
+            for stage in pipe.stages:
+                if isinstance(stage, DistributedDataParallel):
+                    stage.reducer.stop()
     return done
 
 
