@@ -111,9 +111,7 @@ def _torch(
     schedule = cls(pipe_stages if len(pipe_stages) > 1 else pipe_stages[0], args.chunks, loss_fn=lm_loss)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        if len(pipe_stages) > 1:
-            schedule.step(x, target=y, losses=[])  # every rank holds a first-or-last virtual stage
-        elif rank == 0:
+        if rank == 0:  # rank 0 holds the first (virtual) stage, rank 1 the last
             schedule.step(x)
         else:
             schedule.step(target=y, losses=[])

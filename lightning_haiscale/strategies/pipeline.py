@@ -474,7 +474,7 @@ class _LogRecorder:
     """Collects a step's ``self.log`` calls per microbatch, to log them once, averaged, on every stage."""
 
     def __init__(self) -> None:
-        self.calls: dict[str, tuple[list[Any], dict[str, Any], Any]] = {}
+        self.calls: dict[str, tuple[list[Any], dict[str, Any]]] = {}
         self.module: nn.Module | None = None
 
     @contextlib.contextmanager
@@ -484,7 +484,7 @@ class _LogRecorder:
         def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             if args:
                 raise TypeError("pipeline strategies need self.log's options as keywords (self.log(name, value, k=v))")
-            values, _, _ = self.calls.setdefault(name, ([], kwargs, None))
+            values, _ = self.calls.setdefault(name, ([], kwargs))
             values.append(value)
 
         with _patched(module, "log", record):
@@ -493,7 +493,7 @@ class _LogRecorder:
     def summary(self) -> list[tuple[str, str, Any, dict[str, Any]]]:
         """``(name, "metric", attribute path, kwargs)`` or ``(name, "value", mean as float, kwargs)``."""
         out = []
-        for name, (values, kwargs, _) in self.calls.items():
+        for name, (values, kwargs) in self.calls.items():
             if isinstance(values[0], nn.Module):
                 path = next((p for p, m in self.module.named_modules() if m is values[0]), None)
                 if path is None:
