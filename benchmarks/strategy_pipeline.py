@@ -9,6 +9,7 @@ stage's peak of activation bytes saved for backward (counted by ``saved_tensors_
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
@@ -181,24 +182,26 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None, help="also write the rows here (benchmarks/report.py reads them)")
     args = parser.parse_args(argv)
     print(f"GPT {args.layers} layers x {args.width} wide, batch {args.batch} x {args.seq} tokens, chunks {args.chunks}")
     columns = ["schedule", "ours samples/s", "torch samples/s", "ratio", "ours RSS MiB", "torch RSS MiB"]
     columns += ["ours saved MiB", "torch saved MiB"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * 8)
-    saved = {}
+    saved, rows = {}, []
     for schedule in args.schedules.split(","):
         res = {}
         for impl in ("ours", "torch"):
             res[impl] = run_pair(argparse.Namespace(**vars(args), schedule=schedule, impl=impl))
         saved[schedule] = res["ours"]["saved_mib"]
+        rows.append(_json_row(args, schedule, res))
         ratio = res["ours"]["samples_s"] / res["torch"]["samples_s"]
         print(
             f"| {schedule} vs {PAIRS[schedule]} | {res['ours']['samples_s']:.2f} | {res['torch']['samples_s']:.2f} | "
@@ -209,7 +212,25 @@ def main(argv: list[str]) -> int:
     if "gpipe" in saved and "1f1b" in saved:
         share = saved["1f1b"] / saved["gpipe"]
         print(f"first-stage activation peak, PipeDream / GPipe at chunks={args.chunks}: {share:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
     return 0
+
+
+def _json_row(args: argparse.Namespace, schedule: str, res: dict[str, dict[str, float]]) -> dict[str, Any]:
+    ours = {"gpipe": "GPipe", "1f1b": "PipeDream", "interleaved": "Interleaved1F1B"}[schedule]
+    return {
+        "technique": "pipeline, 2 stages",
+        "config": f"GPT {args.layers}x{args.width}, batch {args.batch}x{args.seq}, chunks {args.chunks}",
+        "ours": ours,
+        "peer": f"torch {PAIRS[schedule]}",
+        "metric": "samples/s",
+        "ours_value": res["ours"]["samples_s"],
+        "peer_value": res["torch"]["samples_s"],
+        "ours_rss_mib": res["ours"]["rss_mib"],
+        "peer_rss_mib": res["torch"]["rss_mib"],
+    }
 
 
 if __name__ == "__main__":
