@@ -140,6 +140,7 @@ def chart(rows: list[dict], path: Path) -> bool:
     """Grouped bars like haiscale's published comparison: peer = 1.0, ours beside it, ratio on top."""
     try:
         import matplotlib
+        import matplotlib.ticker
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -155,8 +156,10 @@ def chart(rows: list[dict], path: Path) -> bool:
     for bar, ratio in zip(bars, ratios, strict=True):
         ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     ax.set_xticks(list(x), labels, fontsize=7)
-    ax.set_ylabel("throughput relative to the peer")
+    ax.set_ylabel("throughput relative to the peer (log scale)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
