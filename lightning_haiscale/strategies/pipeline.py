@@ -373,7 +373,8 @@ class _PipelineStrategy(ParallelStrategy):
         """Rank 0 writes the full checkpoint (weights of every stage; optimizer states stay per stage); the
         first pipeline's stages write ``<file>.stage<k>`` with their part and their optimizer states."""
         if self.dp_rank == 0:
-            torch.save(self._stage_state(checkpoint), _stage_path(filepath, self.pp_rank))
+            stage_file = _stage_path(filepath, self.pp_rank)  # checkpoint_io creates the folder on every rank
+            self.checkpoint_io.save_checkpoint(self._stage_state(checkpoint), stage_file, storage_options)
         if self.is_global_zero:
             full = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
             full["pipeline"] = {"stages": self.stages_per_pipeline, "num_model_chunks": self.num_model_chunks}
@@ -397,8 +398,8 @@ class _PipelineStrategy(ParallelStrategy):
         """The full checkpoint, with this stage's optimizer states when its stage file matches this layout."""
         checkpoint = dict(self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only))
         stage_file = _stage_path(checkpoint_path, self.pp_rank)
-        safe = weights_only if weights_only is not None else True
-        stage = torch.load(stage_file, weights_only=safe) if os.path.exists(stage_file) else None
+        exists = os.path.exists(stage_file)
+        stage = self.checkpoint_io.load_checkpoint(stage_file, weights_only=weights_only) if exists else None
         self._saved_layers = stage["layers"] if stage is not None else None
         checkpoint["optimizer_states"] = stage["optimizer_states"] if stage is not None else []
         return checkpoint
