@@ -332,7 +332,9 @@ class Communicator:
             members = sorted(self.topology.cross_host_ranks(local), key=self._global_rank)
             order += members
             if local == self.local_rank:
-                mine = dist.new_group([self._global_rank(r) for r in members], use_local_synchronization=True)
+                # gloo: the slices crossing hosts are in host memory, whatever the tensors' device.
+                ranks = [self._global_rank(r) for r in members]
+                mine = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         return mine, order
 
     def _global_rank(self, group_rank: int) -> int:
@@ -363,6 +365,10 @@ class Communicator:
     def _run_job(self, job: Callable[..., Any], tensors: tuple[Any, ...], ready: Any) -> Callable[[], None] | None:
         try:
             if ready is None:
+                job(*tensors)
+                return None
+            if self._native is None:  # torch.distributed handles device tensors itself
+                ready.wait()
                 job(*tensors)
                 return None
             return self._run_cuda_job(job, tensors, ready)
