@@ -17,6 +17,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,15 +148,15 @@ def chart(rows: list[dict], path: Path) -> bool:
     except ImportError:
         print("matplotlib missing (pip install .[bench]): table written, chart skipped", file=sys.stderr)
         return False
-    labels = [f"{r['ours']} vs {r['peer']}\n{r['config']}" for r in rows]
+    labels = [textwrap.fill(f"{r['ours']} vs {r['peer']}: {r['config']}", 28) for r in rows]
     ratios = [r["ours_value"] / r["peer_value"] for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(rows)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(rows)), 6))
     ax.bar([i - 0.2 for i in x], [1.0] * len(rows), width=0.4, label="peer", color="#9aa5b1")
     bars = ax.bar([i + 0.2 for i in x], ratios, width=0.4, label="lightning-haiscale", color="#d1495b")
     for bar, ratio in zip(bars, ratios, strict=True):
         ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
-    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_xticks(list(x), labels, fontsize=7, rotation=40, ha="right")
     ax.set_ylabel("throughput relative to the peer (log scale)")
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
