@@ -40,7 +40,6 @@ double checked_divisor(DType dtype, double divisor) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hfreduce-style shared-memory collective engine (no torch inside; see lightning_haiscale.hfreduce)";
   m.def("simd_level", &hfreduce::simd_level);
-  m.def("element_size", [](int32_t code) { return hfreduce::element_size(hfreduce::dtype_from_code(code)); });
   m.def(
       "reduce",
       [](int32_t dtype, uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, double divisor) {
@@ -94,8 +93,6 @@ PYBIND11_MODULE(_C, m) {
       .def_static("segment_bytes", &Communicator::segment_bytes)
       .def("wait_attached", &Communicator::wait_attached, py::call_guard<py::gil_scoped_release>())
       .def("stop", &Communicator::stop, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("local_rank", &Communicator::local_rank)
-      .def_property_readonly("local_size", &Communicator::local_size)
       .def("all_reduce",
            [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count, int32_t dtype, double divisor,
               bool blocking) {

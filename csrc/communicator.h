@@ -102,9 +102,6 @@ class Communicator {
   // Finishes queued work, then stops the worker thread. Idempotent; later submissions fail.
   void stop();
 
-  int local_rank() const { return config_.local_rank; }
-  int local_size() const { return config_.local_size; }
-
  private:
   struct PeerFailure;
 
