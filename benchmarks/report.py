@@ -169,7 +169,7 @@ def chart(rows: list[dict], path: Path) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one repeat per pair (about 15 minutes on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="one repeat per pair (about 5 minutes on 2 idle cores)")
     parser.add_argument("--only", help="comma-separated subset of allreduce,ddp,fsdp,pipeline,offload")
     args = parser.parse_args()
     logs = HERE / "logs"
