@@ -75,6 +75,8 @@ def run_distributed(
     ``node_ids[r]`` simulates rank r's host (sets ``HFREDUCE_NODE_ID``). Any rank's exception is raised
     here with its traceback; a run past ``timeout`` seconds is killed and raises ``TimeoutError``.
     Ranks in ``may_die`` may exit without a result (tests that kill a peer); theirs is ``None``.
+    Return plain values (numbers, lists): a returned tensor travels as a file descriptor that can vanish
+    with its process before this one reads it.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -197,20 +197,30 @@ def test_hai_ddp_on_two_hosts_of_two_ranks(tmp_path: Path) -> None:
     run_distributed(_run_all, 4, str(tmp_path), [_two_hosts], node_ids=["a", "a", "b", "b"], timeout=240)
 
 
+def _boring_ddp_weights(rank: int, world: int) -> dict[str, list]:
+    torch.manual_seed(0)
+    model = BoringModel()
+    L.Trainer(strategy="ddp", **_BORING).fit(model)
+    return {k: v.tolist() for k, v in model.state_dict().items()}  # plain values: tensors would be sent by fd
+
+
+_BORING: dict[str, Any] = {
+    "accelerator": "cpu", "devices": 2, "max_steps": 3, "logger": False, "enable_checkpointing": False,
+    "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0, "num_sanity_val_steps": 0,
+}  # fmt: skip
+
+
 def test_hai_ddp_spawn_returns_trained_weights() -> None:
-    """Lightning's spawn launcher starts the processes; the trained weights come back to this one."""
-    models, strategies = [], []
-    for strategy in ("hai_ddp_spawn", "ddp_spawn"):
-        torch.manual_seed(0)
-        model = BoringModel()
-        initial = model.layer.weight.detach().clone()
-        trainer = L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        )  # fmt: skip
-        trainer.fit(model)
-        assert not torch.equal(model.layer.weight, initial)
-        models.append(model)
-        strategies.append(trainer.strategy)
-    assert isinstance(strategies[0], HaiDDPStrategy)
-    _assert_close(models[0], models[1])
+    """Lightning's spawn launcher starts the processes; the trained weights come back to this one and equal
+    Lightning "ddp"'s on the same data. (The reference runs on externally launched ranks: a "ddp_spawn" run
+    right after a spawn run in one pytest process intermittently aborted at exit inside torch, 1 run in 3.)"""
+    torch.manual_seed(0)
+    model = BoringModel()
+    initial = model.layer.weight.detach().clone()
+    trainer = L.Trainer(strategy="hai_ddp_spawn", **_BORING)
+    trainer.fit(model)
+    assert isinstance(trainer.strategy, HaiDDPStrategy)
+    assert not torch.equal(model.layer.weight, initial)
+    reference = run_distributed(_boring_ddp_weights, 2)[0]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, torch.tensor(reference[name]), rtol=1e-5, atol=0)
