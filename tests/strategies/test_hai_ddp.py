@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -210,10 +211,12 @@ _BORING: dict[str, Any] = {
 }  # fmt: skip
 
 
-def test_hai_ddp_spawn_returns_trained_weights() -> None:
+def test_hai_ddp_spawn_returns_trained_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's spawn launcher starts the processes; the trained weights come back to this one and equal
     Lightning "ddp"'s on the same data. (The reference runs on externally launched ranks: a "ddp_spawn" run
     right after a spawn run in one pytest process intermittently aborted at exit inside torch, 1 run in 3.)"""
+    for leaked in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # an earlier seed_everything() would reseed the spawns
+        monkeypatch.delenv(leaked, raising=False)
     torch.manual_seed(0)
     model = BoringModel()
     initial = model.layer.weight.detach().clone()
