@@ -72,35 +72,19 @@ def run_one(run: Run, logs: Path) -> list[dict]:
 def allreduce_rows(data: dict) -> list[dict]:
     """The all-reduce benchmark's latency at 4 KiB and bandwidth at the largest size, engine vs gloo."""
     small, large = data["rows"][0], data["rows"][-1]
-    gib = large["bytes"] / 2**20
+    mib = large["bytes"] / 2**20
+
+    def row(config: str, metric: str, ours: float, peer: float) -> dict:
+        return {"technique": "hfreduce all_reduce", "config": config, "ours": "engine", "peer": "gloo",
+                "metric": metric, "ours_value": ours, "peer_value": peer}  # fmt: skip
+
+    def gbps(seconds: float) -> float:
+        return large["bytes"] / seconds / 1e9
+
     return [
-        {
-            "technique": "hfreduce all_reduce",
-            "config": "4 KiB fp32",
-            "ours": "engine",
-            "peer": "gloo",
-            "metric": "calls/s",
-            "ours_value": 1 / small["engine_s"],
-            "peer_value": 1 / small["gloo_s"],
-        },
-        {
-            "technique": "hfreduce all_reduce",
-            "config": f"{gib:g} MiB fp32",
-            "ours": "engine",
-            "peer": "gloo",
-            "metric": "GB/s",
-            "ours_value": large["bytes"] / large["engine_s"] / 1e9,
-            "peer_value": large["bytes"] / large["gloo_s"] / 1e9,
-        },
-        {
-            "technique": "hfreduce all_reduce",
-            "config": f"{gib:g} MiB fp32, alloc_buffer",
-            "ours": "engine",
-            "peer": "gloo",
-            "metric": "GB/s",
-            "ours_value": large["bytes"] / large["buffer_s"] / 1e9,
-            "peer_value": large["bytes"] / large["gloo_s"] / 1e9,
-        },
+        row("4 KiB fp32", "calls/s", 1 / small["engine_s"], 1 / small["gloo_s"]),
+        row(f"{mib:g} MiB fp32", "GB/s", gbps(large["engine_s"]), gbps(large["gloo_s"])),
+        row(f"{mib:g} MiB fp32, alloc_buffer", "GB/s", gbps(large["buffer_s"]), gbps(large["gloo_s"])),
     ]
 
 
