@@ -21,22 +21,11 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
+from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_haiscale.fsdp import (
@@ -54,6 +43,7 @@ from lightning_haiscale.fsdp import (
 )
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
 from lightning_haiscale.hfreduce import Communicator
+from lightning_haiscale.strategies.parallel import HaiParallelStrategy
 
 __all__ = ["HaiFSDPStrategy"]
 
@@ -63,7 +53,7 @@ _META_FILE = "meta.pt"
 _WRAPPER_ATTR = "_hai_fsdp_wrapper"  # a LightningModule sharded by an earlier Trainer keeps its wrapper
 
 
-class HaiFSDPStrategy(ParallelStrategy):
+class HaiFSDPStrategy(HaiParallelStrategy):
     """Fully sharded data parallel on the hfreduce engine, on CPU and CUDA.
 
     The model built in ``LightningModule.configure_model`` is created on the meta device and materialized
@@ -100,45 +90,21 @@ class HaiFSDPStrategy(ParallelStrategy):
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"state_dict_type={state_dict_type!r} must be 'full' or 'sharded'")
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
+            timeout,
+            process_group_backend,
+            accelerator,
+            parallel_devices,
+            cluster_environment,
+            checkpoint_io,
+            precision_plugin,
         )
-        self.num_nodes = 1
         self.state_dict_type = state_dict_type
-        self._timeout = timeout
-        self._process_group_backend = process_group_backend
         self._fsdp_kwargs: dict[str, Any] = {
             "auto_wrap_policy": auto_wrap_policy,
             "backward_prefetch": backward_prefetch,
             "reshard_after_forward": reshard_after_forward,
             "param_init_fn": param_init_fn,
         }
-
-    # ------------------------------------------------------------------------- topology
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if not self.parallel_devices:
-            raise RuntimeError("HaiFSDPStrategy has no devices yet; it is set up by the Trainer")
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        """Lightning injects a DistributedSampler and syncs ``self.log(sync_dist=True)`` (SPEC section 3)."""
-        return True
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     @override
@@ -149,27 +115,6 @@ class HaiFSDPStrategy(ParallelStrategy):
     @override
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint restores the optimizer pieces itself
-
-    @override
-    def _configure_launcher(self) -> None:
-        if self.cluster_environment is not None and not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        if self.cluster_environment is None:
-            raise RuntimeError("HaiFSDPStrategy needs a cluster environment; let the Trainer set it")
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
 
     # ---------------------------------------------------------------------------- model
 
@@ -235,29 +180,6 @@ class HaiFSDPStrategy(ParallelStrategy):
                 yield
         else:
             yield
-
-    # ---------------------------------------------------------------------- collectives
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(
-        self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> torch.Tensor | Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     # ---------------------------------------------------------------------- checkpoints
 

@@ -15,7 +15,8 @@ exactly once (``out = self(x)`` with ``forward`` calling it, or ``self.net(x)``)
 independent, ``training_step`` must return the loss tensor (or a dict with ``"loss"``), and values given
 to ``self.log`` are averaged over microbatches. Anything else raises with the reason. The loss and logs
 of the last stage are broadcast to its pipeline and logged on every rank, so rank 0's progress bar and
-loggers see them; torchmetrics objects are logged by attribute on every rank (they sync themselves).
+loggers see them, and ``sync_dist`` over the world averages the data-parallel replicas; torchmetrics objects
+are logged by attribute on every rank (they sync themselves).
 """
 
 from __future__ import annotations
@@ -32,19 +33,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
@@ -53,13 +45,14 @@ from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups, partition
 from lightning_haiscale.pipeline.capture import InputsCaptured, StageProxy, split_batch
 from lightning_haiscale.pipeline.pipelines import split_microbatches
+from lightning_haiscale.strategies.parallel import HaiParallelStrategy
 
 __all__ = ["GPipeStrategy", "Interleaved1F1BStrategy", "PipeDreamStrategy"]
 
 log = logging.getLogger(__name__)
 
 
-class _PipelineStrategy(ParallelStrategy):
+class _PipelineStrategy(HaiParallelStrategy):
     """What the three pipeline strategies share; subclasses only build their pipeline.
 
     Args:
@@ -92,14 +85,20 @@ class _PipelineStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
     ) -> None:
-        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        super().__init__(
+            timeout,
+            process_group_backend,
+            accelerator,
+            parallel_devices,
+            cluster_environment,
+            checkpoint_io,
+            precision_plugin,
+        )
         if chunks < 1:
             raise ValueError(f"chunks={chunks} must be at least 1")
         self.chunks, self.pp_size, self.balance = chunks, pp_size, balance
         self.num_model_chunks, self.checkpoint, self.module_name = num_model_chunks, checkpoint, module_name
-        self._timeout, self._example_inputs = timeout, example_inputs
-        self._process_group_backend = process_group_backend
-        self._num_nodes = 1
+        self._example_inputs = example_inputs
         self._dp_group: dist.ProcessGroup | None = None
         self._pp_group: dist.ProcessGroup | None = None
         self._stages: list[nn.Module] = []
@@ -107,30 +106,6 @@ class _PipelineStrategy(ParallelStrategy):
         self._saved_layers: list[str] | None = None
 
     # ----- topology ----------------------------------------------------------------------------------
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if self.parallel_devices is None:
-            raise RuntimeError("the strategy has no devices yet; the Trainer sets them")
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        """Makes Lightning inject a sampler and honor ``sync_dist`` (SPEC section 3)."""
-        return True
 
     @property
     def stages_per_pipeline(self) -> int:
@@ -156,18 +131,8 @@ class _PipelineStrategy(ParallelStrategy):
         return self._pipeline
 
     @override
-    def _configure_launcher(self) -> None:
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         if self.world_size % self.stages_per_pipeline:
             raise ValueError(f"pp_size={self.pp_size} must divide the world size {self.world_size}")
         self._dp_group, self._pp_group = make_subgroups(self.stages_per_pipeline, timeout=self._timeout)
@@ -334,26 +299,6 @@ class _PipelineStrategy(ParallelStrategy):
         with self._pipeline.no_sync() if self._pipeline is not None else contextlib.nullcontext():
             yield
 
-    # ----- collectives -------------------------------------------------------------------------------
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Over the world: every stage logs its pipeline's values, so this averages the data-parallel replicas."""
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if torch.is_tensor(tensor) else tensor
-
     # ----- checkpoints -------------------------------------------------------------------------------
 
     @override
@@ -429,7 +374,6 @@ class _PipelineStrategy(ParallelStrategy):
                 stage.reducer.stop()
         if self.lightning_module is not None:
             self.lightning_module.__dict__.pop("optimizer_zero_grad", None)
-        self.cluster_environment.teardown()
         super().teardown()
 
     @classmethod

@@ -1,0 +1,140 @@
+"""``HaiParallelStrategy``: one process per device in a ``torch.distributed`` world, with no DDP wrapper.
+
+What ``hai_fsdp`` and the pipeline strategies share: topology, launch, the process group, and the
+collectives Lightning calls for logging and checkpoints. Lightning's ``DDPStrategy`` does the same work,
+but around torch's ``DistributedDataParallel``; Lightning's own FSDP and ModelParallel strategies each
+repeat it, and so would we without this base. The few private Lightning helpers it uses
+(``_init_dist_connection``, ``_sync_ddp_if_available``, the subprocess launcher) are the ones every
+Lightning strategy uses; they live in this one module so a Lightning upgrade touches one place.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
+
+__all__ = ["HaiParallelStrategy"]
+
+
+class HaiParallelStrategy(ParallelStrategy):
+    """A process per device, started like ``"ddp"`` (torchrun, SLURM, or Lightning's subprocess launcher).
+
+    Args:
+        timeout: deadline of the process group (and, in subclasses, of the engine's waits).
+        process_group_backend: torch.distributed backend (default: gloo on CPU, nccl on CUDA).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the
+            Trainer, as for every Lightning strategy.
+    """
+
+    def __init__(
+        self,
+        timeout: timedelta = default_pg_timeout,
+        process_group_backend: str | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        self._timeout = timeout
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError(f"{type(self).__name__} has no devices yet; the Trainer sets them")
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Makes Lightning inject a ``DistributedSampler`` and honor ``self.log(sync_dist=True)`` (SPEC section 3)."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str:
+        return self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = _SubprocessScriptLauncher(self._environment(), self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        device_id = self.root_device if self.root_device.type != "cpu" else None  # eager NCCL init, as "ddp"
+        backend, timeout = self.process_group_backend, self._timeout
+        _init_dist_connection(self._environment(), backend, timeout=timeout, device_id=device_id)
+
+    def set_world_ranks(self) -> None:
+        environment = self._environment()
+        environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    def _environment(self) -> ClusterEnvironment:
+        if self.cluster_environment is None:
+            raise RuntimeError(f"{type(self).__name__} needs a cluster environment; the Trainer sets it")
+        return self.cluster_environment
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> torch.Tensor | Any:
+        """Over the world (or ``group``); anything but a tensor is returned as is."""
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
