@@ -1,4 +1,4 @@
-"""The three collectives sharding needs, as free functions over the hfreduce engine (as in FSDP2).
+"""The two collectives sharding needs, as free functions over the hfreduce engine (as in FSDP2).
 
 Every function issues exactly one engine collective (none for an empty tensor on every rank), so all
 ranks issue the same sequence as long as they run the same units in the same order.
@@ -10,7 +10,7 @@ import torch
 
 from lightning_haiscale.hfreduce import Communicator, Work
 
-__all__ = ["all_gather_shards", "all_reduce_sum", "reduce_scatter_grads"]
+__all__ = ["all_gather_shards", "reduce_scatter_grads"]
 
 
 def all_gather_shards(comm: Communicator, full: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Work | None:
@@ -24,9 +24,3 @@ def reduce_scatter_grads(comm: Communicator, shard_grad: torch.Tensor, full_grad
     if work is None:  # the engine always returns a handle for async_op=True
         raise RuntimeError("hfreduce returned no handle for an asynchronous reduce_scatter")
     return work
-
-
-def all_reduce_sum(comm: Communicator, value: torch.Tensor) -> torch.Tensor:
-    """Sums a small tensor over ranks in place and returns it."""
-    comm.all_reduce(value, op="sum")
-    return value

@@ -16,7 +16,6 @@ All ranks must run the same units in the same order, as with torch FSDP.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_haiscale.clip_grad import clip_grad_norm_
 from lightning_haiscale.fsdp.api import BackwardPrefetch, MixedPrecision, StateDictType
-from lightning_haiscale.fsdp.collectives import all_reduce_sum
 from lightning_haiscale.fsdp.deferred_init import materialize_unit
 from lightning_haiscale.fsdp.param_group import FSDPParamGroup, ShardState
 from lightning_haiscale.fsdp.state_dict import (
@@ -263,22 +262,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scales the gradients so that their norm over all ranks is at most ``max_norm``; returns that norm."""
-        norm_type = float(norm_type)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if norm_type == math.inf:
-            local = max((g.detach().abs().max() for g in grads if g.numel()), default=torch.zeros(()))
-            total = local.to(self.device, torch.float32).reshape(1)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.comm.group)
-        else:
-            local = torch.zeros((), dtype=torch.float64)
-            for g in grads:
-                local = local + g.detach().double().abs().pow(norm_type).sum().cpu()
-            total = all_reduce_sum(self.comm, local.to(self.device).reshape(1)) ** (1.0 / norm_type)
-        total = total.reshape(())
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total.float()
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.comm.group)
 
     @contextmanager
     def state_dict_type(self, kind: StateDictType | str) -> Iterator[None]:

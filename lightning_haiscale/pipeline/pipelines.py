@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_haiscale.clip_grad import clip_grad_norm_
 from lightning_haiscale.pipeline.executor import LossFn, StepConfig, StepResult, check_stage_module, run_actions
 from lightning_haiscale.pipeline.schedule import (
     Action,
@@ -115,6 +116,13 @@ class Pipeline(nn.Module):
             yield
         finally:
             self._sync_grads = previous
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips every stage's gradients by the norm of the whole pipeline's; returns that norm.
+
+        Every rank of the pipeline calls it after the step's backward (a collective over ``process_group``).
+        """
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.process_group)
 
     def forward_backward(
         self,

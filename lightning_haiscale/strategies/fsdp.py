@@ -159,14 +159,8 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         return None
 
     @override
-    def setup_precision_plugin(self) -> None:
-        super().setup_precision_plugin()
-        # Trainer(gradient_clip_val=) clips through the precision plugin with torch's clip_grad_norm_,
-        # which would see only this rank's pieces: route it to the wrapper's global norm.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-
-    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        self._wrapper().clip_grad_norm_(clip_val)
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        self._wrapper().clip_grad_norm_(max_norm)
 
     @override
     def model_to_device(self) -> None:

@@ -10,6 +10,7 @@ Lightning strategy uses; they live in this one module so a Lightning upgrade tou
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from datetime import timedelta
 from typing import Any
 
@@ -116,6 +117,20 @@ class HaiParallelStrategy(ParallelStrategy):
         if self.cluster_environment is None:
             raise RuntimeError(f"{type(self).__name__} needs a cluster environment; the Trainer sets it")
         return self.cluster_environment
+
+    @override
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        # Trainer(gradient_clip_val=) clips through the precision plugin with torch's clip_grad_norm_, which
+        # would see only this rank's part of the model: route it to the norm over every part.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        self.clip_grad_norm_(clip_val)
+
+    @abstractmethod
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """Clips the gradients of the whole model, of which this rank holds a part, by its global norm."""
 
     @override
     def barrier(self, name: str | None = None) -> None:

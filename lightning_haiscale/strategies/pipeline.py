@@ -202,6 +202,10 @@ class _PipelineStrategy(HaiParallelStrategy):
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
 
+    @override
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        self._pipeline.clip_grad_norm_(max_norm)
+
     # ----- steps -------------------------------------------------------------------------------------
 
     @override

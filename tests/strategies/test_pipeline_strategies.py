@@ -2,7 +2,8 @@
 
 An unmodified LightningModule (``x, y = batch; out = self(x); loss = F.cross_entropy(out, y);
 self.log(...); return loss``) trains 5 steps; its parameters must equal the reference's (rtol 1e-5), the
-last stage's logged loss must reach rank 0, and checkpoints must round-trip between stage counts.
+last stage's logged loss must reach rank 0, ``gradient_clip_val`` must clip by the whole model's norm
+(not each stage's), and checkpoints must round-trip between stage counts.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lightning_haiscale.strategies import GPipeStrategy, Interleaved1F1BStrategy
 from tests.distributed import run_distributed
 
 BATCH, STEPS, LR = 8, 5, 0.1
+CLIP = 0.1  # below the gradient norm at most steps (0.08-0.53), so clipping acts
 
 
 class Classifier(L.LightningModule):
@@ -62,9 +64,11 @@ def data(n: int = BATCH * STEPS * 2) -> TensorDataset:
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g))
 
 
-def reference(steps: int, batch: int, accumulate: int = 1, dp: int = 1) -> tuple[dict[str, torch.Tensor], float]:
+def reference(
+    steps: int, batch: int, accumulate: int = 1, dp: int = 1, clip: float | None = None
+) -> tuple[dict[str, torch.Tensor], float]:
     """Plain PyTorch on the batches Lightning's sampler gives (shuffled, sharded by data-parallel rank): each
-    optimizer step's samples from every replica, their mean loss."""
+    optimizer step's samples from every replica, their mean loss, gradients clipped to norm ``clip``."""
     module = Classifier()
     opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
     x, y = data().tensors
@@ -75,6 +79,8 @@ def reference(steps: int, batch: int, accumulate: int = 1, dp: int = 1) -> tuple
         opt.zero_grad()
         loss = F.cross_entropy(module(x[rows]), y[rows])
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         opt.step()
     return {k: v.detach() for k, v in module.state_dict().items()}, float(loss.detach())
 
@@ -132,6 +138,9 @@ def _train_world_2(rank: int, world: int, tmp: str) -> None:
     expected_acc, _ = reference(STEPS, BATCH, accumulate=2)
     trainer = fit(PipeDreamStrategy(chunks=2), tmp, accumulate=2)
     _check_full_state(trainer, expected_acc, "accumulate")
+    expected_clip, _ = reference(STEPS, BATCH, clip=CLIP)
+    trainer = fit(Interleaved1F1BStrategy(chunks=2), tmp, gradient_clip_val=CLIP)  # two stages per rank
+    _check_full_state(trainer, expected_clip, "clip")
 
 
 def test_strategies_train_like_one_process(tmp_path: Any) -> None:
@@ -139,9 +148,9 @@ def test_strategies_train_like_one_process(tmp_path: Any) -> None:
 
 
 def _checkpoint_round_trip(rank: int, world: int, tmp: str) -> None:
-    expected, _ = reference(STEPS, BATCH, dp=2)  # 2 data-parallel pipelines of 2 stages
-    trainer = fit(PipeDreamStrategy(chunks=2, pp_size=2), tmp)
-    _check_full_state(trainer, expected, "dp x pp")
+    expected, _ = reference(STEPS, BATCH, dp=2, clip=CLIP)  # 2 data-parallel pipelines of 2 stages
+    trainer = fit(PipeDreamStrategy(chunks=2, pp_size=2), tmp, gradient_clip_val=CLIP)
+    _check_full_state(trainer, expected, "dp x pp, clipped")
     path = os.path.join(tmp, "full.ckpt")
     trainer.save_checkpoint(path)
     dist.barrier()

@@ -1,0 +1,47 @@
+"""``clip_grad_norm_`` for a model whose parameters are split across ranks (FSDP shards, pipeline stages).
+
+torch's ``clip_grad_norm_`` on one rank sees only that rank's part, so each part would be clipped by its
+own norm. Here every rank's norm is combined over the group first (sum of p-th powers, or max for the
+infinity norm), so each rank scales by the factor one process would use on the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    process_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Scales the gradients so that their norm over every rank of ``process_group`` is at most ``max_norm``.
+
+    Each rank passes its own, disjoint parameters; every rank of the group must call it (a collective).
+    Ranks that hold the same parameters (data-parallel replicas, after their gradient all-reduce) belong
+    in different groups. Returns the total norm (float32, on the parameters' device).
+    """
+    params = list(parameters)
+    if not params:
+        raise ValueError("clip_grad_norm_ got no parameters; every rank of the group must hold some")
+    norm_type = float(norm_type)
+    grads = [p.grad for p in params if p.grad is not None]
+    device = params[0].device
+    local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=device)
+    if norm_type == math.inf:
+        total = local.float().reshape(1)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=process_group)
+    else:
+        total = local.double().pow(norm_type).reshape(1)  # fp64: p-th powers of large norms stay finite
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=process_group)
+        total = total.pow(1.0 / norm_type).float()
+    total = total.reshape(())
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

@@ -1,0 +1,46 @@
+"""``clip_grad_norm_`` over parts of one model held by different ranks, against torch's on the whole model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_haiscale.clip_grad import clip_grad_norm_
+from tests.distributed import run_distributed
+
+MAX_NORM = 0.5  # below the gradient norm of the model below, so clipping acts
+
+
+def _model_with_grads() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    model(torch.randn(32, 8)).pow(2).sum().backward()
+    return model
+
+
+def _clip_halves(rank: int, world: int, norm_type: float) -> tuple[float, list[list[float]]]:
+    """Rank r clips the parameters r, r + world, ...: its part of the model."""
+    params = list(_model_with_grads().parameters())[rank::world]
+    total = clip_grad_norm_(params, MAX_NORM, norm_type)
+    return float(total), [p.grad.flatten().tolist() for p in params]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_matches_torch_on_the_whole_model(norm_type: float) -> None:
+    reference = _model_with_grads()
+    expected_total = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM, norm_type))
+    assert expected_total > MAX_NORM
+    expected = [p.grad for p in reference.parameters()]
+    results = run_distributed(_clip_halves, 2, norm_type)
+    for rank, (total, grads) in enumerate(results):
+        assert total == pytest.approx(expected_total, rel=1e-6)
+        for got, want in zip(grads, expected[rank::2], strict=True):
+            torch.testing.assert_close(torch.tensor(got), want.flatten())
+
+
+def test_empty_parameters_are_refused() -> None:
+    with pytest.raises(ValueError, match="no parameters"):
+        clip_grad_norm_([], 1.0)
