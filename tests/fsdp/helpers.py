@@ -13,6 +13,15 @@ LR = 1e-3
 MAX_NORM = 0.5
 
 
+def deterministic_init(module: torch.nn.Module) -> None:
+    """Deterministic per parameter name and size, whatever the order in which units materialize."""
+    with torch.no_grad():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.is_meta:
+                g = torch.Generator().manual_seed(p.numel() + len(name))
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
 def make_model(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     return GPT(CFG)

@@ -28,7 +28,18 @@ from lightning_haiscale.fsdp import (
     sharded_state_dict,
 )
 from tests.distributed import run_distributed
-from tests.fsdp.helpers import CFG, LR, MAX_NORM, batches, local, loss_of, make_model, max_rel_error, reference_run
+from tests.fsdp.helpers import (
+    CFG,
+    LR,
+    MAX_NORM,
+    batches,
+    deterministic_init,
+    local,
+    loss_of,
+    make_model,
+    max_rel_error,
+    reference_run,
+)
 
 STEPS = 10
 POLICIES = {
@@ -221,15 +232,6 @@ def _features(rank: int, world: int) -> dict:
     }
 
 
-def _init(module: torch.nn.Module) -> None:
-    """Deterministic per parameter name and size, whatever the order of calls."""
-    with torch.no_grad():
-        for name, p in module.named_parameters(recurse=False):
-            if not p.is_meta:
-                g = torch.Generator().manual_seed(p.numel() + len(name))
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-
-
 def _deferred() -> dict:
     """Meta-device model materialized unit by unit: never more than one unit whole at a time."""
     with torch.device("meta"):
@@ -237,13 +239,13 @@ def _deferred() -> dict:
     whole = []
 
     def init(module: torch.nn.Module) -> None:
-        _init(module)
+        deterministic_init(module)
         whole.append(sum(p.numel() for p in root.parameters() if not p.is_meta and p.dim() > 1))
 
     model = FullyShardedDataParallel(root, auto_wrap_policy={Block}, param_init_fn=init)
     eager = make_model()
     for module in eager.modules():
-        _init(module)
+        deterministic_init(module)
     return {
         "max_whole": max(whole),
         "error": max_rel_error(full_state_dict(model, rank0_only=False), eager.state_dict()),

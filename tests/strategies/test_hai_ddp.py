@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 
 import lightning_haiscale  # noqa: F401  (registers "hai_ddp")
 from examples.gpt.lightning_module import GPTLightningModule
@@ -25,14 +25,10 @@ from examples.gpt.model import config, lm_loss
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.strategies import HaiDDPStrategy
 from tests.distributed import run_distributed
+from tests.strategies.helpers import lm_dataset, quiet_fit
 
 CFG = config("tiny", n_layer=2, n_embd=32, n_head=2, block_size=16, bias=False)  # see tests/ddp: no biases
 BATCH = 2  # sequences per rank
-
-
-def _dataset(rows: int) -> TensorDataset:
-    seq = torch.randint(0, CFG.vocab_size, (rows, CFG.block_size + 1), generator=torch.Generator().manual_seed(7))
-    return TensorDataset(seq[:, :-1], seq[:, 1:])
 
 
 class _Losses(L.Callback):
@@ -42,22 +38,6 @@ class _Losses(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
         if outputs is not None:
             self.losses.append(float(outputs["loss"]))
-
-
-def _fit(module: L.LightningModule, strategy: Any, world: int, steps: int, data: Any, **kwargs: Any) -> L.Trainer:
-    options = {
-        "devices": world,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "limit_val_batches": 0,
-        "num_sanity_val_steps": 0,
-    }
-    ckpt_path = kwargs.pop("ckpt_path", None)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, **{**options, **kwargs})
-    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=BATCH), ckpt_path=ckpt_path)
-    return trainer
 
 
 def _gpt_module() -> GPTLightningModule:
@@ -88,14 +68,14 @@ def _reference(module: GPTLightningModule, world: int, steps: int, data: TensorD
 
 
 def _parity_with_ddp_and_one_process(rank: int, world: int, tmp: Path) -> None:
-    data = _dataset(10 * world * BATCH)
+    data = lm_dataset(CFG, 10 * world * BATCH)
     ours, theirs = _gpt_module(), _gpt_module()
     ref = _reference(ours, world, 10, data)
-    trainer = _fit(ours, "hai_ddp", world, 10, data)
+    trainer = quiet_fit(ours, "hai_ddp", 10, data, BATCH)
     assert isinstance(trainer.strategy, HaiDDPStrategy)
     assert not isinstance(trainer.strategy.model, DistributedDataParallel), "teardown unwraps the model"
     trainer.save_checkpoint(tmp / "hai.ckpt")
-    ddp_trainer = _fit(theirs, "ddp", world, 10, data)
+    ddp_trainer = quiet_fit(theirs, "ddp", 10, data, BATCH)
     ddp_trainer.save_checkpoint(tmp / "ddp.ckpt")
     _assert_close(ours.model, ref)
     _assert_close(ours.model, theirs.model)
@@ -104,21 +84,21 @@ def _parity_with_ddp_and_one_process(rank: int, world: int, tmp: Path) -> None:
 
 
 def _accumulation_matches_ddp(rank: int, world: int, tmp: Path) -> None:
-    data = _dataset(12 * world * BATCH)
+    data = lm_dataset(CFG, 12 * world * BATCH)
     ours, theirs = _gpt_module(), _gpt_module()
-    _fit(ours, "hai_ddp", world, 3, data, accumulate_grad_batches=4)
-    _fit(theirs, "ddp", world, 3, data, accumulate_grad_batches=4)
+    quiet_fit(ours, "hai_ddp", 3, data, BATCH, accumulate_grad_batches=4)
+    quiet_fit(theirs, "ddp", 3, data, BATCH, accumulate_grad_batches=4)
     _assert_close(ours.model, theirs.model)
 
 
 def _resume_gives_same_losses(rank: int, world: int, tmp: Path) -> None:
     # 3 steps an epoch, checkpoint after step 3: Lightning restarts an interrupted epoch's data from its
     # start (with any strategy), so only a checkpoint at an epoch boundary resumes the same batches.
-    data = _dataset(3 * world * BATCH)
+    data = lm_dataset(CFG, 3 * world * BATCH)
     whole, resumed = _Losses(), _Losses()
     saver = ModelCheckpoint(dirpath=tmp / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)
-    _fit(_gpt_module(), "hai_ddp", world, 6, data, callbacks=[whole, saver], enable_checkpointing=True)
-    _fit(_gpt_module(), "hai_ddp", world, 6, data, callbacks=[resumed], ckpt_path=tmp / "ckpt" / "step=3.ckpt")
+    quiet_fit(_gpt_module(), "hai_ddp", 6, data, BATCH, callbacks=[whole, saver], enable_checkpointing=True)
+    quiet_fit(_gpt_module(), "hai_ddp", 6, data, BATCH, callbacks=[resumed], ckpt_path=tmp / "ckpt" / "step=3.ckpt")
     assert len(resumed.losses) == 3
     torch.testing.assert_close(resumed.losses, whole.losses[3:], rtol=1e-6, atol=0)
 
@@ -139,13 +119,13 @@ class _ManualGPT(GPTLightningModule):
 
 
 def _manual_optimization_matches_ddp(rank: int, world: int, tmp: Path) -> None:
-    data = _dataset(5 * world * BATCH)
+    data = lm_dataset(CFG, 5 * world * BATCH)
     modules = []
     for strategy in ("hai_ddp", "ddp"):
         torch.manual_seed(0)
         module = _ManualGPT(CFG)
         module.configure_model()
-        _fit(module, strategy, world, 5, data)
+        quiet_fit(module, strategy, 5, data, BATCH)
         modules.append(module)
     _assert_close(modules[0].model, modules[1].model)
 
@@ -184,12 +164,12 @@ def test_hai_ddp_on_two_processes(tmp_path: Path) -> None:
 
 
 def _two_hosts(rank: int, world: int, tmp: Path) -> None:
-    data = _dataset(4 * world * BATCH)
+    data = lm_dataset(CFG, 4 * world * BATCH)
     ours, theirs = _gpt_module(), _gpt_module()
     ref = _reference(ours, world, 4, data)
-    trainer = _fit(ours, "hai_ddp", world, 4, data, devices=2, num_nodes=2)
+    trainer = quiet_fit(ours, "hai_ddp", 4, data, BATCH, devices=2, num_nodes=2)
     assert trainer.strategy.model is ours  # unwrapped after fit
-    _fit(theirs, "ddp", world, 4, data, devices=2, num_nodes=2)
+    quiet_fit(theirs, "ddp", 4, data, BATCH, devices=2, num_nodes=2)
     _assert_close(ours.model, ref)
     _assert_close(ours.model, theirs.model)
 

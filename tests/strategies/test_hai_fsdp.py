@@ -14,7 +14,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 
 import lightning_haiscale  # noqa: F401  (registers "hai_fsdp")
 from examples.gpt.lightning_module import GPTLightningModule
@@ -22,19 +22,12 @@ from examples.gpt.model import GPT, Block, config, lm_loss
 from lightning_haiscale.fsdp import FullyShardedDataParallel, full_state_dict
 from lightning_haiscale.strategies import HaiFSDPStrategy
 from tests.distributed import run_distributed
+from tests.fsdp.helpers import deterministic_init
+from tests.strategies.helpers import lm_dataset, quiet_fit
 
 CFG = config("tiny", n_layer=2, n_embd=36, n_head=3, vocab_size=67, block_size=16, bias=False)
 BATCH = 2  # sequences per rank
 CLIP = 0.5  # gradient_clip_val: below the gradient norm of this model, so clipping acts
-
-
-def _init(module: torch.nn.Module) -> None:
-    """Deterministic per parameter name and size, whatever the order in which units materialize."""
-    with torch.no_grad():
-        for name, p in module.named_parameters(recurse=False):
-            if not p.is_meta:
-                g = torch.Generator().manual_seed(p.numel() + len(name))
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
 
 
 class _GPT(GPTLightningModule):
@@ -57,36 +50,15 @@ class _Losses(L.Callback):
         self.losses.append(loss.item() / trainer.world_size)
 
 
-def _dataset(rows: int) -> TensorDataset:
-    seq = torch.randint(0, CFG.vocab_size, (rows, CFG.block_size + 1), generator=torch.Generator().manual_seed(7))
-    return TensorDataset(seq[:, :-1], seq[:, 1:])
-
-
 def _strategy(**kwargs: Any) -> HaiFSDPStrategy:
-    return HaiFSDPStrategy(auto_wrap_policy={Block}, param_init_fn=_init, **kwargs)
-
-
-def _fit(module: L.LightningModule, strategy: Any, steps: int, data: Any, **kwargs: Any) -> L.Trainer:
-    options = {
-        "devices": dist.get_world_size(),
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "limit_val_batches": 0,
-        "num_sanity_val_steps": 0,
-    }
-    ckpt_path = kwargs.pop("ckpt_path", None)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, **{**options, **kwargs})
-    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=BATCH), ckpt_path=ckpt_path)
-    return trainer
+    return HaiFSDPStrategy(auto_wrap_policy={Block}, param_init_fn=deterministic_init, **kwargs)
 
 
 def _reference(data: TensorDataset, world: int, steps: int, accumulate: int) -> GPT:
     """One process: every rank's micro-batches, gradients summed per rank then averaged over ranks."""
     ref = GPT(CFG)
     for module in ref.modules():
-        _init(module)
+        deterministic_init(module)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     rows = [list(DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0)) for r in range(world)]
     for step in range(steps):
@@ -107,9 +79,9 @@ def _reference(data: TensorDataset, world: int, steps: int, accumulate: int) -> 
 
 
 def _parity_accumulation_and_full_checkpoint(rank: int, world: int, tmp: Path) -> None:
-    data = _dataset(6 * world * BATCH)
+    data = lm_dataset(CFG, 6 * world * BATCH)
     module = _GPT(CFG)
-    trainer = _fit(module, _strategy(), 3, data, accumulate_grad_batches=2, gradient_clip_val=CLIP)
+    trainer = quiet_fit(module, _strategy(), 3, data, BATCH, accumulate_grad_batches=2, gradient_clip_val=CLIP)
     assert module.built_on_meta, "configure_model ran outside the meta device"
     assert trainer._accelerator_connector.is_distributed
     assert isinstance(trainer.train_dataloader.sampler, DistributedSampler)
@@ -131,27 +103,35 @@ def _parity_accumulation_and_full_checkpoint(rank: int, world: int, tmp: Path) -
 
 def _resume(rank: int, world: int, tmp: Path) -> None:
     # 3 steps an epoch, checkpoints after step 3 (Lightning restarts an interrupted epoch from its start)
-    data = _dataset(3 * world * BATCH)
+    data = lm_dataset(CFG, 3 * world * BATCH)
     whole = _Losses()
     savers = [
         ModelCheckpoint(dirpath=tmp / kind, filename="{step}", every_n_train_steps=3, save_top_k=-1)
         for kind in ("full", "sharded")
     ]
-    _fit(_GPT(CFG), _strategy(), 6, data, callbacks=[whole, savers[0]], enable_checkpointing=True)
-    _fit(_GPT(CFG), _strategy(state_dict_type="sharded"), 3, data, callbacks=[savers[1]], enable_checkpointing=True)
+    quiet_fit(_GPT(CFG), _strategy(), 6, data, BATCH, callbacks=[whole, savers[0]], enable_checkpointing=True)
+    quiet_fit(
+        _GPT(CFG),
+        _strategy(state_dict_type="sharded"),
+        3,
+        data,
+        BATCH,
+        callbacks=[savers[1]],
+        enable_checkpointing=True,
+    )
     assert (tmp / "sharded" / "step=3.ckpt" / f"rank_{rank}.pt").is_file()
     for kind in ("full", "sharded"):
         resumed = _Losses()
         ckpt = tmp / kind / "step=3.ckpt"
-        _fit(_GPT(CFG), _strategy(state_dict_type=kind), 6, data, callbacks=[resumed], ckpt_path=ckpt)
+        quiet_fit(_GPT(CFG), _strategy(state_dict_type=kind), 6, data, BATCH, callbacks=[resumed], ckpt_path=ckpt)
         torch.testing.assert_close(resumed.losses, whole.losses[3:], rtol=1e-6, atol=0)
 
 
 def _bf16_mixed(rank: int, world: int, tmp: Path) -> None:
-    data = _dataset(2 * world * BATCH)
+    data = lm_dataset(CFG, 2 * world * BATCH)
     fp32, bf16 = _Losses(), _Losses()
-    _fit(_GPT(CFG), _strategy(), 2, data, callbacks=[fp32])
-    trainer = _fit(_GPT(CFG), _strategy(), 2, data, callbacks=[bf16], precision="bf16-mixed")
+    quiet_fit(_GPT(CFG), _strategy(), 2, data, BATCH, callbacks=[fp32])
+    trainer = quiet_fit(_GPT(CFG), _strategy(), 2, data, BATCH, callbacks=[bf16], precision="bf16-mixed")
     assert trainer.strategy.model._root_group.param_dtype == torch.bfloat16
     torch.testing.assert_close(bf16.losses, fp32.losses, rtol=2e-2, atol=0)
 
@@ -164,7 +144,8 @@ def _run_all(rank: int, world: int, tmp: str, checks: list[Any]) -> None:
 
 def _resume_on_three_ranks(rank: int, world: int, tmp: str) -> None:
     """The world-2 sharded checkpoint at step 3 loads on 3 ranks: the same weights as its full twin."""
-    trainer = _fit(_GPT(CFG), _strategy(), 3, _dataset(9 * BATCH), ckpt_path=Path(tmp) / "sharded" / "step=3.ckpt")
+    data = lm_dataset(CFG, 9 * BATCH)
+    trainer = quiet_fit(_GPT(CFG), _strategy(), 3, data, BATCH, ckpt_path=Path(tmp) / "sharded" / "step=3.ckpt")
     assert trainer.global_step == 3
     loaded = full_state_dict(trainer.strategy.model)
     if rank == 0:
