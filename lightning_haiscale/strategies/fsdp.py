@@ -14,18 +14,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_haiscale.fsdp import (
@@ -66,8 +62,8 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         reshard_after_forward: free each unit's parameters after its forward.
         state_dict_type: ``"full"`` (one file, rank 0) or ``"sharded"`` (a folder, one file per rank).
         param_init_fn: ``fn(module)`` initializing meta-device parameters (default ``reset_parameters()``).
-        timeout: deadline of the process group and of the engine's waits.
-        process_group_backend: torch.distributed backend (default: gloo on CPU, nccl on CUDA).
+        **kwargs: passed to :class:`HaiParallelStrategy`: ``timeout`` (deadline of the process group and of the
+            engine's waits), ``process_group_backend``, and what the Trainer sets.
     """
 
     strategy_name = "hai_fsdp"
@@ -79,25 +75,11 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         reshard_after_forward: bool = True,
         state_dict_type: Literal["full", "sharded"] = "full",
         param_init_fn: Callable[[nn.Module], None] | None = None,
-        timeout: timedelta = default_pg_timeout,
-        process_group_backend: str | None = None,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
+        **kwargs: Any,
     ) -> None:
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"state_dict_type={state_dict_type!r} must be 'full' or 'sharded'")
-        super().__init__(
-            timeout,
-            process_group_backend,
-            accelerator,
-            parallel_devices,
-            cluster_environment,
-            checkpoint_io,
-            precision_plugin,
-        )
+        super().__init__(**kwargs)
         self.state_dict_type = state_dict_type
         self._fsdp_kwargs: dict[str, Any] = {
             "auto_wrap_policy": auto_wrap_policy,

@@ -26,19 +26,15 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping, Sequence
-from datetime import timedelta
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
@@ -61,8 +57,12 @@ class _PipelineStrategy(HaiParallelStrategy):
             pipeline over the world). Pipelines are consecutive ranks (see ``make_subgroups``).
         balance: layers per stage, or ``None`` to balance parameter counts, or ``"time"`` (with
             ``example_inputs``) to balance measured layer time.
+        num_model_chunks: model chunks per rank (interleaved schedules).
+        checkpoint: activation checkpointing policy of GPipe (``"never"``, ``"always"``, ``"except_last"``).
         module_name: the attribute holding the ``nn.Sequential`` (found when there is exactly one).
-        timeout: for every collective and point-to-point transfer (process groups' timeout).
+        example_inputs: a batch's network inputs, for ``balance="time"``.
+        **kwargs: passed to :class:`HaiParallelStrategy`: ``timeout`` (for every collective and point-to-point
+            transfer), ``process_group_backend``, and what the Trainer sets.
     """
 
     strategy_name: ClassVar[str]
@@ -76,24 +76,10 @@ class _PipelineStrategy(HaiParallelStrategy):
         num_model_chunks: int = 1,
         checkpoint: str = "never",
         module_name: str | None = None,
-        timeout: timedelta = default_pg_timeout,
         example_inputs: tuple[Any, ...] | None = None,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            timeout,
-            process_group_backend,
-            accelerator,
-            parallel_devices,
-            cluster_environment,
-            checkpoint_io,
-            precision_plugin,
-        )
+        super().__init__(**kwargs)
         if chunks < 1:
             raise ValueError(f"chunks={chunks} must be at least 1")
         self.chunks, self.pp_size, self.balance = chunks, pp_size, balance
