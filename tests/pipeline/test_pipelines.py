@@ -8,6 +8,9 @@ steps (batch and sequence length), so boundary shapes are re-exchanged.
 from __future__ import annotations
 
 import itertools
+import os
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -161,3 +164,29 @@ def _tuples_and_eval(rank: int, world: int) -> None:
 
 def test_tuple_boundaries_with_no_grad_tensors_and_evaluation() -> None:
     run_distributed(_tuples_and_eval, 2)
+
+
+def _peer_lost(rank: int, world: int, how: str) -> float:
+    """Rank 1 dies (or stalls) after one good step; rank 0's next step must raise, not hang."""
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=3))
+    pipe = PipeDream(partition(mlp(), rank, world), 2, group)
+    x, y = batch(0)
+    pipe.forward_backward(x, criterion=F.mse_loss, labels=(y,))
+    dist.barrier()
+    if rank == 1:
+        if how == "dies":
+            os._exit(3)
+        time.sleep(6)
+        return 0.0
+    start = time.monotonic()
+    error = "by peer" if how == "dies" else "Timed out"  # gloo: "Connection closed/reset by peer"
+    with pytest.raises(RuntimeError, match=error):
+        pipe.forward_backward(x, criterion=F.mse_loss, labels=(y,))
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize(("how", "within"), [("dies", 2.0), ("stalls", 5.0)])
+def test_lost_stage_raises_on_its_peer(how: str, within: float) -> None:
+    """A dead stage is seen at once (gloo's closed connection); a stalled one at the group's 3 s timeout."""
+    elapsed = run_distributed(_peer_lost, 2, how, may_die={1}, timeout=60)[0]
+    assert elapsed < within
