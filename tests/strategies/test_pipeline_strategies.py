@@ -3,7 +3,7 @@
 An unmodified LightningModule (``x, y = batch; out = self(x); loss = F.cross_entropy(out, y);
 self.log(...); return loss``) trains 5 steps; its parameters must equal the reference's (rtol 1e-5), the
 last stage's logged loss must reach rank 0, ``gradient_clip_val`` must clip by the whole model's norm
-(not each stage's), and checkpoints must round-trip between stage counts.
+(not each stage's), checkpoints must round-trip between stage counts, and a resume must continue bit-for-bit.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -86,26 +87,30 @@ def reference(
 
 
 def fit(
-    strategy: L.pytorch.strategies.Strategy, tmp: str, accumulate: int = 1, ckpt_path: str | None = None, **kwargs: Any
+    strategy: L.pytorch.strategies.Strategy,
+    tmp: str,
+    accumulate: int = 1,
+    ckpt_path: str | None = None,
+    steps: int = STEPS,
+    rows: int = BATCH * STEPS * 2,
+    **kwargs: Any,
 ) -> L.Trainer:
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        max_steps=STEPS,
-        accumulate_grad_batches=accumulate,
-        limit_val_batches=2,
-        val_check_interval=STEPS * accumulate,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp,
-        **kwargs,
-    )
+    options = {
+        "max_steps": steps,
+        "accumulate_grad_batches": accumulate,
+        "limit_val_batches": 2,
+        "val_check_interval": steps * accumulate,
+        "num_sanity_val_steps": 0,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": tmp,
+    }
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=dist.get_world_size(), **{**options, **kwargs})
     module = Classifier()
-    trainer.fit(module, DataLoader(data(), batch_size=BATCH), DataLoader(data(), batch_size=BATCH), ckpt_path=ckpt_path)
+    train, val = DataLoader(data(rows), batch_size=BATCH), DataLoader(data(), batch_size=BATCH)
+    trainer.fit(module, train, val, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -162,6 +167,7 @@ def _checkpoint_round_trip(rank: int, world: int, tmp: str) -> None:
     assert restored["state"].keys() == saved_state["state"].keys() and saved_state["state"]
     for i, state in saved_state["state"].items():
         torch.testing.assert_close(restored["state"][i]["momentum_buffer"], state["momentum_buffer"])
+    _resume_is_bit_for_bit(tmp)
     plain = Classifier()  # the unpartitioned module
     plain.load_state_dict(torch.load(path, weights_only=False)["state_dict"])
     for k, v in expected.items():
@@ -175,6 +181,20 @@ def _checkpoint_round_trip(rank: int, world: int, tmp: str) -> None:
     results = validator.validate(module, DataLoader(data(), batch_size=BATCH), ckpt_path=path)
     x, y = data().tensors
     torch.testing.assert_close(results[0]["val_loss"], float(F.cross_entropy(plain(x[:BATCH]), y[:BATCH])))
+
+
+def _resume_is_bit_for_bit(tmp: str) -> None:
+    """6 steps saving at step 3 (an epoch's end); resumed there, 3 more steps give the same bits."""
+    rows = BATCH * 3 * 2  # an epoch is 3 steps of each of the 2 replicas
+    saver = ModelCheckpoint(dirpath=os.path.join(tmp, "ckpt"), filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    options = {"steps": 6, "rows": rows, "limit_val_batches": 0}
+    whole = fit(PipeDreamStrategy(chunks=2, pp_size=2), tmp, callbacks=[saver], enable_checkpointing=True, **options)
+    path = os.path.join(tmp, "ckpt", "step=3.ckpt")
+    resumed = fit(PipeDreamStrategy(chunks=2, pp_size=2), tmp, ckpt_path=path, **options)
+    expected, got = whole.strategy.lightning_module_state_dict(), resumed.strategy.lightning_module_state_dict()
+    assert resumed.global_step == 6 and expected.keys() == got.keys()
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
 
 
 def test_dp_x_pp_and_checkpoints_across_stage_counts(tmp_path: Any) -> None:
