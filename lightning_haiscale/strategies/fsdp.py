@@ -196,21 +196,24 @@ class HaiFSDPStrategy(HaiParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Loads the weights; when fitting, the optimizer states too (``validate`` after ``fit`` on the same
+        Trainer still holds the finished fit's optimizers, which belong to another model)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         safe = True if weights_only is None else weights_only
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         model = self._wrapper()
+        optimizers = self.optimizers if self.lightning_module.trainer.state.fn == TrainerFn.FITTING else []
         if path.is_dir():
             meta = torch.load(path / _META_FILE, map_location="cpu", weights_only=safe)
             files = [path / f"rank_{r}.pt" for r in range(meta.pop("hai_fsdp_world_size"))]
             load_sharded_state_dict(model, (_mmap(f, safe)["state_dict"] for f in files), strict=strict)
-            for i, optimizer in enumerate(self.optimizers):
+            for i, optimizer in enumerate(optimizers):
                 shards = (_mmap(f, safe)["optimizer_states"][i] for f in files)
                 load_sharded_optim_state_dict(model, optimizer, shards)
             return meta
         checkpoint = _mmap(path, safe)
         load_full_state_dict(model, checkpoint.pop("state_dict"), strict=strict)
-        for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", []), strict=False):
+        for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", []), strict=False):
             load_full_optim_state_dict(model, optimizer, state)
         return checkpoint
 

@@ -14,7 +14,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_haiscale  # noqa: F401  (registers "hai_fsdp")
 from examples.gpt.lightning_module import GPTLightningModule
@@ -129,6 +129,12 @@ def _resume(rank: int, world: int, tmp: Path) -> None:
         assert resumed.losses == whole.losses[3:], kind  # bit-for-bit
         got = full_state_dict(trainer.strategy.model)  # rank 0 holds it; {} elsewhere
         assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items()), kind
+        # The same Trainer validates a fresh module from the checkpoint: the finished fit's optimizers stay out.
+        trainer.validate(_GPT(CFG), DataLoader(data, batch_size=BATCH), ckpt_path=ckpt, verbose=False)
+        loaded = full_state_dict(trainer.strategy.model)
+        if rank == 0 and kind == "full":
+            saved = torch.load(ckpt, weights_only=True)["state_dict"]
+            assert all(torch.equal(loaded[k], v) for k, v in saved.items())
 
 
 def _bf16_mixed(rank: int, world: int, tmp: Path) -> None:
