@@ -3,7 +3,8 @@
     python benchmarks/gpu_check.py [--only engine,offload] [--json PATH]
 
 Two processes share the one GPU (gloo process group; the engine does the reductions). Prints one
-table and exits non-zero on any mismatch. Without a GPU it says so and exits 0.
+table and exits non-zero on any mismatch. Without a GPU it says so and exits 0. The parity checks take
+a device, so the test suite runs them on CPU too (the script's own logic is tested where no GPU is).
 """
 
 from __future__ import annotations
@@ -102,23 +103,23 @@ def check_engine() -> list[Row]:
     ]
 
 
-def _ddp_worker(rank: int, world: int) -> float:
-    """hai_ddp's plain layer on CUDA (both ranks on device 0) against one process on the whole batch."""
+def _ddp_worker(rank: int, world: int, device: str) -> float:
+    """hai_ddp's plain layer on ``device`` (CUDA: both ranks on device 0) against one process on the whole batch."""
     from examples.gpt.model import GPT, config, lm_loss
     from lightning_haiscale.ddp import DistributedDataParallel
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    model = GPT(config("tiny")).cuda()
+    model = GPT(config("tiny")).to(device)
     reference = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, device_ids=[0])
+    ddp = DistributedDataParallel(model, device_ids=[0] if device == "cuda" else None)
     # SGD: AdamW would normalize the float noise of gradients that are zero in exact arithmetic (the
     # attention key bias) into full-size updates, hiding real differences behind spurious ones.
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     for _ in range(5):
-        tokens = torch.randint(0, 256, (2 * world, 65), generator=g).cuda()
+        tokens = torch.randint(0, 256, (2 * world, 65), generator=g).to(device)
         x, y = tokens[:, :-1], tokens[:, 1:]
         mine = slice(2 * rank, 2 * rank + 2)
         lm_loss(ddp(x[mine]), y[mine]).backward()
@@ -133,19 +134,20 @@ def _ddp_worker(rank: int, world: int) -> float:
     )
 
 
-def check_ddp() -> list[Row]:
-    error = max(run_distributed(_ddp_worker, 2, timeout=300))
-    return [Row("hai_ddp CUDA parity vs one process (tiny GPT, 5 SGD steps)", error < 1e-4, f"max rel err {error:.1e}")]
+def check_ddp(device: str = "cuda") -> list[Row]:
+    error = max(run_distributed(_ddp_worker, 2, device, timeout=300))
+    check = f"hai_ddp {device} parity vs one process (tiny GPT, 5 SGD steps)"
+    return [Row(check, error < 1e-4, f"max rel err {error:.1e}")]
 
 
-def _pipeline_worker(rank: int, world: int) -> float:
-    """A 2-stage PipeDream on CUDA (both stages on device 0) against one process on the whole batch."""
+def _pipeline_worker(rank: int, world: int, device: str) -> float:
+    """A 2-stage PipeDream on ``device`` (CUDA: both stages on device 0) against one process on the whole batch."""
     from examples.gpt.model import GPT, config, lm_loss
     from lightning_haiscale.pipeline import PipeDream, partition
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    seq = GPT(config("tiny", tie_weights=False)).cuda()
+    seq = GPT(config("tiny", tie_weights=False)).to(device)
     reference = copy.deepcopy(seq)
     stage = partition(seq, rank, world)
     names = {id(p): n for n, p in seq.named_parameters()}
@@ -154,7 +156,7 @@ def _pipeline_worker(rank: int, world: int) -> float:
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
-        tokens = torch.randint(0, 256, (8, 65), generator=g).cuda()
+        tokens = torch.randint(0, 256, (8, 65), generator=g).to(device)
         x, y = tokens[:, :-1], tokens[:, 1:]
         pipe.forward_backward(x, criterion=lm_loss, labels=(y,))
         opt.step()
@@ -166,11 +168,10 @@ def _pipeline_worker(rank: int, world: int) -> float:
     return max(((p - ref[names[id(p)]]).norm() / ref[names[id(p)]].norm()).item() for p in stage.parameters())
 
 
-def check_pipeline() -> list[Row]:
-    error = max(run_distributed(_pipeline_worker, 2, timeout=300))
-    return [
-        Row("PipeDream 2 stages on CUDA vs one process (tiny GPT, chunks 4)", error < 1e-4, f"max rel err {error:.1e}")
-    ]
+def check_pipeline(device: str = "cuda") -> list[Row]:
+    error = max(run_distributed(_pipeline_worker, 2, device, timeout=300))
+    check = f"PipeDream 2 stages on {device} vs one process (tiny GPT, chunks 4)"
+    return [Row(check, error < 1e-4, f"max rel err {error:.1e}")]
 
 
 def check_gpu_tests() -> list[Row]:
