@@ -13,6 +13,11 @@ steps; samples/s is measured after the warm-up steps, peak RSS is each rank's ``
 
 Pairs run interleaved (ddp, hai_ddp, then hai_ddp, ddp, ...) so that load from other jobs on a shared
 machine hits both sides alike; samples/s is the median over repeats, RSS the maximum.
+
+A third run, ``no_comm``, is Lightning's ddp with the model left unwrapped: the same processes, data
+and steps with no gradient all-reduce at all (the replicas drift apart; it trains nothing useful). Its
+samples/s over ddp's is the ceiling of any communication engine on that config: the speed-up hai_ddp
+would show if its all-reduce were free.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
 
 from examples.gpt.data import GPTDataModule
 from examples.gpt.lightning_module import GPTLightningModule
@@ -32,7 +39,7 @@ from examples.gpt.model import config
 from examples.gpt.train import Throughput
 from tests.distributed import run_distributed
 
-STRATEGIES = ("ddp", "hai_ddp")
+STRATEGIES = ("ddp", "hai_ddp", "no_comm")
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,13 @@ class _SGDModule(GPTLightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class _NoCommStrategy(DDPStrategy):
+    """Lightning's ddp without the DDP wrapper: no gradient synchronization, the step's compute alone."""
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
+        return model
+
+
 def _worker(rank: int, world: int, strategy: str, bench: BenchConfig) -> dict[str, float]:
     import lightning_haiscale  # noqa: F401  (registers "hai_ddp" in the spawned process)
 
@@ -68,7 +82,7 @@ def _worker(rank: int, world: int, strategy: str, bench: BenchConfig) -> dict[st
     data = GPTDataModule(block_size=bench.block, batch_size=bench.batch, max_bytes=1 << 20)
     throughput = Throughput(bench.warmup)
     trainer = L.Trainer(
-        strategy=strategy,
+        strategy=_NoCommStrategy() if strategy == "no_comm" else strategy,
         accelerator="cpu",
         devices=world,
         max_steps=bench.steps,
@@ -113,25 +127,26 @@ def main(argv: list[str]) -> int:
     unknown = sorted(set(names) - set(CONFIGS))
     if unknown:
         p.error(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS)}")
-    print("| config | params | batch/rank | ddp samples/s | hai_ddp samples/s | speed-up | ddp peak RSS/rank "
-          "| hai_ddp peak RSS/rank | RSS ratio |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| config | params | batch/rank | ddp samples/s | hai_ddp samples/s | speed-up | no-comm samples/s "
+          "| ceiling | ddp peak RSS/rank | hai_ddp peak RSS/rank | RSS ratio |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name in names:
         bench = CONFIGS[name]
         result = _measure(name, args.repeats)
-        ddp, hai = result["ddp"], result["hai_ddp"]
+        ddp, hai, free = result["ddp"], result["hai_ddp"], result["no_comm"]
+        ceiling = free["samples_per_s"] / ddp["samples_per_s"]
         print(
             f"| {name} ({bench.model}) | {ddp['params_m']:.1f}M | {bench.batch}x{bench.block} "
             f"| {ddp['samples_per_s']:.2f} | {hai['samples_per_s']:.2f} "
-            f"| {hai['samples_per_s'] / ddp['samples_per_s']:.2f}x | {ddp['rss_mib']:.0f} MiB "
-            f"| {hai['rss_mib']:.0f} MiB | {hai['rss_mib'] / ddp['rss_mib']:.2f} |",
+            f"| {hai['samples_per_s'] / ddp['samples_per_s']:.2f}x | {free['samples_per_s']:.2f} | {ceiling:.2f}x "
+            f"| {ddp['rss_mib']:.0f} MiB | {hai['rss_mib']:.0f} MiB | {hai['rss_mib'] / ddp['rss_mib']:.2f} |",
             flush=True,
         )
         rows.append(
             {
                 "technique": "hai_ddp",
-                "config": f"{name}: {bench.model} {bench.batch}x{bench.block}",
+                "config": f"{name}: {bench.model} {bench.batch}x{bench.block} (no-comm ceiling {ceiling:.2f}x)",
                 "ours": "hai_ddp",
                 "peer": "ddp (gloo)",
                 "metric": "samples/s",
