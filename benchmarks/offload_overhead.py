@@ -1,0 +1,206 @@
+"""Hook overhead of ``CPUOffload`` per saved tensor, on CPU, against ``torch.autograd.graph.save_on_cpu()``.
+
+    python benchmarks/offload_overhead.py [--model gpt|mlp] [--json results.json]
+
+A model that saves many small tensors (the tiny GPT of ``examples/gpt`` at batch 1 x 32, or a deep
+narrow MLP) runs forward and backward under each column, the columns taking turns step by step so that
+load from other processes hits them alike:
+
+- ``no hooks``: the reference;
+- ``ratio 0``: ``CPUOffload(0)``, whose CPU tensors are left alone (nothing to count);
+- ``ratio 0 force_copy``: ``CPUOffload(0, force_copy=True)``, every saved activation counted and none
+  copied: on CPU, what ratio 0 costs on a GPU;
+- ``ratio 0.3 force_copy``: ``CPUOffload(0.3, force_copy=True, min_bytes=0)``, copies included;
+- ``save_on_cpu``: ``save_on_cpu()``, which on CPU copies nothing: the cost of a minimal pack/unpack pair.
+
+Reported per column: step time (median), the overhead per saved tensor ((step - no hooks) / the number
+of pack hook calls of one step), and that overhead over save_on_cpu's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.gpt.model import GPT, config, lm_loss
+from lightning_haiscale.cpu_offload import CPUOffload, reset_offload_stats
+
+PEER = "save_on_cpu"
+
+
+@dataclass
+class Result:
+    """One column of the table."""
+
+    name: str
+    step_us: float  # median
+    overhead_us_per_tensor: float | None = None  # over ``no hooks``
+    vs_peer: float | None = None  # overhead per tensor / save_on_cpu's
+    achieved_ratio: float | None = None
+    spans_counted: int | None = None  # ``stats().tensors_saved``: distinct storages counted
+    step_times_us: list[float] = field(default_factory=list)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt", choices=["gpt", "mlp"], help="tiny GPT or a deep narrow MLP")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=32, help="GPT context length")
+    p.add_argument("--layers", type=int, default=4, help="GPT blocks or MLP layers")
+    p.add_argument("--width", type=int, default=64, help="MLP width")
+    p.add_argument("--warmup", type=int, default=20, help="rounds before measuring")
+    p.add_argument("--steps", type=int, default=300, help="measured rounds (one step of each column per round)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(list(argv))
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1 (warm-up lets tagged regions make their plan)")
+    return args
+
+
+def build(args: argparse.Namespace) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """The model and a closure computing its loss (the forward that runs inside each column's region)."""
+    torch.manual_seed(0)
+    if args.model == "gpt":
+        model: nn.Module = GPT(config("tiny", n_layer=args.layers))
+        idx = torch.randint(0, 256, (args.batch, args.seq))
+        targets = torch.roll(idx, -1, dims=1)
+        return model, lambda: lm_loss(model(idx), targets)
+    layers = [m for _ in range(args.layers) for m in (nn.Linear(args.width, args.width), nn.GELU())]
+    model = nn.Sequential(*layers)
+    x = torch.randn(args.batch, args.width)
+    return model, lambda: model(x).square().mean()
+
+
+def columns() -> list[tuple[str, Callable[[], Any]]]:
+    """(column name, factory of the context manager that wraps each forward)."""
+    return [
+        ("no hooks", contextlib.nullcontext),
+        ("ratio 0", lambda: CPUOffload(0.0, "overhead-0")),
+        ("ratio 0 force_copy", lambda: CPUOffload(0.0, "overhead-0-copy", force_copy=True)),
+        ("ratio 0.3 force_copy", lambda: CPUOffload(0.3, "overhead-0.3-copy", force_copy=True, min_bytes=0)),
+        (PEER, torch.autograd.graph.save_on_cpu),
+    ]
+
+
+def count_saved(loss_fn: Callable[[], torch.Tensor]) -> int:
+    """Pack hook calls in one forward: every tensor autograd saves, duplicates and parameters included."""
+    calls = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn()
+    return calls
+
+
+def step(model: nn.Module, loss_fn: Callable[[], torch.Tensor], region: Any) -> None:
+    model.zero_grad(set_to_none=False)
+    with region:
+        loss = loss_fn()
+    loss.backward()
+
+
+def measure(model: nn.Module, loss_fn: Callable[[], torch.Tensor], args: argparse.Namespace) -> list[Result]:
+    """Round-robin over the columns; each column's median step time and its last region's statistics."""
+    made = columns()
+    times: list[list[float]] = [[] for _ in made]
+    last: list[Any] = [None] * len(made)
+    for round_ in range(args.warmup + args.steps):
+        for i, (_, make_region) in enumerate(made):
+            start = time.perf_counter()
+            last[i] = make_region()
+            step(model, loss_fn, last[i])
+            if round_ >= args.warmup:
+                times[i].append((time.perf_counter() - start) * 1e6)
+    results = []
+    for (name, _), column_times, region in zip(made, times, last, strict=True):
+        result = Result(name, statistics.median(column_times), step_times_us=column_times)
+        if isinstance(region, CPUOffload):
+            stats = region.stats()
+            result.achieved_ratio, result.spans_counted = stats.achieved_ratio, stats.tensors_saved
+        results.append(result)
+    return results
+
+
+def add_overheads(results: Sequence[Result], saved: int) -> None:
+    """Fills the per-tensor overhead (over the first column) and its ratio to save_on_cpu's."""
+    base = results[0].step_us
+    for r in results[1:]:
+        r.overhead_us_per_tensor = (r.step_us - base) / saved
+    peer = next(r for r in results if r.name == PEER).overhead_us_per_tensor
+    for r in results[1:]:
+        r.vs_peer = r.overhead_us_per_tensor / peer if peer and peer > 0 else None
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def format_table(results: Sequence[Result]) -> str:
+    """One row per column of the benchmark."""
+    header = ["", "step (us, median)", "overhead (us/saved tensor)", "vs save_on_cpu", "achieved ratio", "spans"]
+    rows = [
+        [
+            r.name,
+            _fmt(r.step_us, ".0f"),
+            _fmt(r.overhead_us_per_tensor, ".2f"),
+            _fmt(r.vs_peer, ".2f") + ("x" if r.vs_peer is not None else ""),
+            _fmt(r.achieved_ratio, ".3f"),
+            _fmt(r.spans_counted, "d"),
+        ]
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        return " | ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    return "\n".join([line(header), "-+-".join("-" * w for w in widths), *(line(row) for row in rows)])
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, loss_fn = build(args)
+    saved = count_saved(loss_fn)
+    reset_offload_stats()
+    results = measure(model, loss_fn, args)
+    add_overheads(results, saved)
+    shape = f"context {args.seq}" if args.model == "gpt" else f"width {args.width}"
+    setup = (
+        f"model={args.model} ({args.layers} layers, batch {args.batch}, {shape}), {saved} saved tensors per step, "
+        f"torch {torch.__version__}, {args.threads} thread(s), {args.warmup} warm-up + {args.steps} measured rounds"
+    )
+    print(setup)
+    print(format_table(results))
+    by_name = {r.name: r for r in results}
+    for name in ("ratio 0 force_copy", "ratio 0"):
+        print(f"{name} overhead per saved tensor vs save_on_cpu's: {_fmt(by_name[name].vs_peer, '.2f')}x")
+    if args.json is not None:
+        payload = {"setup": setup, "saved_tensors": saved, "results": [asdict(r) for r in results]}
+        args.json.write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
