@@ -178,10 +178,10 @@ class _Run:
             seen = self._seen.get(key)
             if seen is None or seen.storage() is not storage:
                 seen = self._seen[key] = _Seen(weakref.ref(storage), self._save(t, storage, start, nbytes, seq))
+            elif seen.stored is not None and not seen.stored.handles:  # earlier saves all released: copy again
+                seen.stored = self._offload(t, storage, start, nbytes, seq)
             if seen.stored is None:
                 return _Resident(seq, t.detach())
-            if not seen.stored.handles:  # every earlier save of it was released: its copy is gone, copy again
-                seen.stored = self._offload(t, storage, start, nbytes, seq)
             seen.stored.handles += 1
             return _Offloaded(self, seen.stored, seq, t, t.storage_offset() * t.element_size() - start)
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from examples.gpt.model import GPT, config, lm_loss
-from lightning_haiscale.cpu_offload import CPUOffload, offload_stats, reset_offload_stats
+from lightning_haiscale.cpu_offload import CPUOffload, PinnedBufferPool, offload_stats, reset_offload_stats
 from lightning_haiscale.cpu_offload import region as region_module
 from lightning_haiscale.cpu_offload.transfer import HostTransfer
 
@@ -321,3 +321,23 @@ def test_span_saved_again_after_its_first_saves_were_released():
     got, w.grad = w.grad, None
     (x @ w).sum().backward()
     assert torch.equal(got, w.grad)
+
+
+def test_each_offloaded_span_is_copied_out_once_and_its_buffer_returned(gpt, monkeypatch):
+    model, idx, targets = gpt
+    copies = []
+    to_host = HostTransfer.to_host
+
+    def counted_to_host(self, source, buf):
+        copies.append(source.numel())
+        return to_host(self, source, buf)
+
+    monkeypatch.setattr(HostTransfer, "to_host", counted_to_host)
+    pool = PinnedBufferPool()
+    for _ in range(2):
+        copies.clear()
+        region = CPUOffload(1.0, min_bytes=0, force_copy=True, pool=pool)
+        _grads(model, idx, targets, region)
+        stats = region.stats()
+        assert len(copies) == stats.tensors_offloaded > 0
+        assert sum(len(free) for free in pool._free.values()) == stats.tensors_offloaded  # all back, reused
