@@ -5,11 +5,18 @@ The pack hook sees every tensor autograd saves inside the region. It works on st
 than tensors: the bytes of the tensor's storage (the whole storage unless the tensor covers less than
 half of it) are copied once, however many views of them are saved (``q``, ``k`` and ``v`` of one
 projection are one copy), and each view is rebuilt in backward with its own dtype, size, stride and
-offset, so backward sees exactly the layout the forward saved. A span is recognised again only while
-its storage object is alive (a weak reference), so a freed and reused address is never confused with
-an earlier tensor. Parameters, views of parameters and other leaves that require grad stay resident
-and are not counted; so are tensors on other devices (CPU tensors unless ``force_copy``) and tensors
-this layer cannot rebuild (sparse, conjugated, tensor subclasses).
+offset, so backward sees exactly the layout the forward saved. Parameters, views of parameters and
+other leaves that require grad stay resident and are not counted; so are tensors on other devices (CPU
+tensors unless ``force_copy``) and tensors this layer cannot rebuild (sparse, conjugated, tensor
+subclasses).
+
+[Note: recognising a span]
+A span is keyed by (the id of a weak reference to its storage, the storage's address, first byte, byte
+count). CPython hands out one weak reference per live object (``weakref.ref(s) is weakref.ref(s)``) and
+the region holds every reference it keys by until it exits, so all saves of a live storage share a key,
+while a storage freed and replaced at the same address gets a new reference: a freed and reused address
+is never confused with an earlier tensor (and a storage resized meanwhile, at a new address, is a new
+span).
 
 [Note: memory bounds]
 A copy out takes time; until it ends the device bytes cannot be freed. ``max_inflight_bytes`` bounds
@@ -20,13 +27,26 @@ to ``prefetch_bytes`` ahead of use, on every unpack, including unpacks of reside
 first offloaded tensor backward needs is already on its way while backward still uses resident ones).
 Bytes restored for a saved tensor are released when autograd releases the saved tensor; with
 ``retain_graph=True`` they stay on the device until the graph is freed.
+
+[Note: the cost of the hooks]
+Both hooks run for every saved tensor, thousands of times a step in a large model, so their Python cost
+is a cost per step (``benchmarks/offload_overhead.py`` measures it against ``save_on_cpu``). A region
+at ratio 0 never offloads (the selection takes nothing when its target is 0), so it installs a leaner
+pair: pack notes the span in a list (one append, no lock) and returns the tensor detached, unpack
+returns it, and the noted spans are counted when the region exits, by the same rule as at any other
+ratio: the statistics and the measurement for the next entry's plan are the same. At other ratios a
+resident tensor's handle is a plain ``(seq, tensor)`` tuple, and its unpack takes the lock only while
+copies are left to retire or prefetch. The checks that decide whether a tensor counts run cheapest
+first.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -43,6 +63,7 @@ __all__ = ["CPUOffload"]
 DEFAULT_MIN_BYTES = 1 << 20  # below 1 MiB a copy is latency, not bandwidth: keep those resident
 DEFAULT_INFLIGHT_BYTES = 512 << 20
 DEFAULT_PREFETCH_BYTES = 512 << 20
+_STRIDED = torch.strided
 
 
 @dataclass(frozen=True)
@@ -88,16 +109,6 @@ class _Stored:
         self.consumed = False
 
 
-class _Resident:
-    """A saved tensor kept as is (detached: a handle must not own the tensor's graph node)."""
-
-    __slots__ = ("seq", "tensor")
-
-    def __init__(self, seq: int, tensor: torch.Tensor) -> None:
-        self.seq = seq
-        self.tensor = tensor
-
-
 class _Offloaded:
     """A saved tensor whose bytes went to host memory: where they are and how to view them again."""
 
@@ -116,15 +127,45 @@ class _Offloaded:
         self.run.drop_handle(self.stored)
 
 
-@dataclass
-class _Seen:
-    storage: weakref.ref  # the saved span's storage: a hit is valid only while it lives
-    stored: _Stored | None  # None: kept resident
+# A saved tensor kept as is: (save order, the tensor detached, so a handle never owns its graph node).
+_Resident = tuple[int, torch.Tensor]
+
+# What ``_Run._seen`` knows of a span: a weak reference to its storage (held, so that its id stays
+# unique) and its copy, None when the span is kept resident.
+_Seen = tuple[weakref.ref, _Stored | None]
 
 
-def _is_parameter(t: torch.Tensor) -> bool:
-    """Parameters, leaves that require grad, and views of them: resident whatever we do."""
-    return any(x is not None and (isinstance(x, nn.Parameter) or (x.requires_grad and x.is_leaf)) for x in (t, t._base))
+def _span_of(t: torch.Tensor, cpu_too: bool) -> tuple[torch.UntypedStorage, int, int] | None:
+    """(storage, first byte, byte count) that ``t`` adds to the region; None: not counted, never copied.
+
+    The span is the whole storage unless ``t`` covers under half of it. Checks run cheapest first.
+    """
+    if not ((cpu_too and t.is_cpu) or t.is_cuda) or type(t) is not torch.Tensor or t.layout is not _STRIDED:
+        return None
+    # _parameter_like(t), spelled out for a plain tensor: this runs for every saved tensor
+    if t.is_conj() or t.is_neg() or getattr(t, "_is_param", False) or (t.requires_grad and t.is_leaf):
+        return None
+    base = t._base  # views of parameters stay resident too
+    if base is not None and _parameter_like(base):
+        return None
+    if t.is_contiguous():  # the extent is the element count (empty tensors are contiguous)
+        nbytes = t.nbytes
+        if not nbytes:
+            return None
+    else:  # extent: 1 + sum((size - 1) * stride); every size is >= 1 (else it would be contiguous)
+        stride = t.stride()
+        nbytes = t.element_size() * (1 + sum(map(operator.mul, t.size(), stride)) - sum(stride))
+    storage = t.untyped_storage()
+    total = storage.nbytes()
+    return (storage, 0, total) if 2 * nbytes >= total else (storage, t.storage_offset() * t.element_size(), nbytes)
+
+
+def _parameter_like(x: torch.Tensor) -> bool:
+    """A parameter, or a leaf that requires grad: resident whatever we do."""
+    # For a plain tensor, ``isinstance(x, nn.Parameter)`` is the ``_is_param`` flag its metaclass reads
+    # (read directly here: the metaclass check is the most expensive step of a pack).
+    flagged = getattr(x, "_is_param", False) if type(x) is torch.Tensor else isinstance(x, nn.Parameter)
+    return bool(flagged) or (x.requires_grad and x.is_leaf)
 
 
 def _intact(source: torch.Tensor, ptr: int) -> bool:
@@ -133,12 +174,9 @@ def _intact(source: torch.Tensor, ptr: int) -> bool:
     return source.untyped_storage().nbytes() >= end and source.data_ptr() == ptr
 
 
-def _span(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[int, int]:
-    """(first byte, byte count) to copy for ``t``: its whole storage unless it covers under half of it."""
-    item = t.element_size()
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True) if n > 0)
-    start, nbytes = t.storage_offset() * item, extent * item
-    return (0, storage.nbytes()) if 2 * nbytes >= storage.nbytes() else (start, nbytes)
+def _keep(handle: torch.Tensor) -> torch.Tensor:
+    """The unpack hook of a region that offloads nothing: its handles are the tensors."""
+    return handle
 
 
 class _Run:
@@ -149,7 +187,8 @@ class _Run:
         self.clock = CopyClock()
         self._lock = threading.RLock()
         self._seq = 0
-        self._seen: dict[tuple[int, int, int], _Seen] = {}
+        self._seen: dict[tuple[int, int, int, int], _Seen] = {}
+        self._kept: list[tuple[weakref.ref, int, int, int]] = []  # spans pack_kept noted, counted at the end
         self._transfers: dict[torch.device, Transfer] = {}
         self._planned = record.candidate_sizes
         self._plan = (
@@ -164,45 +203,74 @@ class _Run:
         self._pending: deque[_Stored] = deque()  # copies out whose source is still held
         self._pending_bytes = 0
 
+    def hooks(self) -> tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor]]:
+        """(pack, unpack). At ratio 0 nothing is ever offloaded: the pair that only counts."""
+        if self.options.offload_ratio == 0:
+            return self.pack_kept, _keep
+        return self.pack, self.unpack
+
     # -- forward ------------------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> _Resident | _Offloaded:
         with self._lock:
             seq = self._seq
-            self._seq += 1
-            if not self._counts(t):
-                return _Resident(seq, t.detach())
-            storage = t.untyped_storage()
-            start, nbytes = _span(t, storage)
-            key = (storage.data_ptr(), start, nbytes)
-            seen = self._seen.get(key)
-            if seen is None or seen.storage() is not storage:
-                seen = self._seen[key] = _Seen(weakref.ref(storage), self._save(t, storage, start, nbytes, seq))
-            elif seen.stored is not None and not seen.stored.handles:  # earlier saves all released: copy again
-                seen.stored = self._offload(t, storage, start, nbytes, seq)
-            if seen.stored is None:
-                return _Resident(seq, t.detach())
-            seen.stored.handles += 1
-            return _Offloaded(self, seen.stored, seq, t, t.storage_offset() * t.element_size() - start)
+            self._seq = seq + 1
+            span = _span_of(t, self.options.force_copy)
+            stored = None if span is None else self._copy_of(t, span, seq)
+            if stored is None:
+                return seq, t.detach()
+            stored.handles += 1
+            return _Offloaded(self, stored, seq, t, t.storage_offset() * t.element_size() - span[1])
 
-    def _counts(self, t: torch.Tensor) -> bool:
-        if _is_parameter(t) or type(t) is not torch.Tensor or t.layout != torch.strided:
-            return False
-        if t.numel() == 0 or t.is_conj() or t.is_neg():
-            return False
-        return t.is_cuda or (self.options.force_copy and t.device.type == "cpu")
+    def pack_kept(self, t: torch.Tensor) -> torch.Tensor:
+        """The pack hook at ratio 0: notes ``t``'s span for ``finish`` to count, and keeps ``t``."""
+        span = _span_of(t, self.options.force_copy)
+        if span is not None:
+            storage, start, nbytes = span
+            self._kept.append((weakref.ref(storage), storage.data_ptr(), start, nbytes))  # atomic: no lock
+        return t.detach()
+
+    def _copy_of(self, t: torch.Tensor, span: tuple[torch.UntypedStorage, int, int], seq: int) -> _Stored | None:
+        """The copy of ``t``'s span, or None to keep ``t`` resident; a span seen the first time is counted."""
+        storage, start, nbytes = span
+        ref = weakref.ref(storage)
+        key = (id(ref), storage.data_ptr(), start, nbytes)  # see [Note: recognising a span]
+        seen = self._seen.get(key)
+        if seen is None:
+            stored = self._save(t, storage, start, nbytes, seq)
+            self._seen[key] = (ref, stored)
+            return stored
+        stored = seen[1]
+        if stored is not None and not stored.handles:  # every earlier save of it was released: copy again
+            stored = self._offload(t, storage, start, nbytes, seq)
+            self._seen[key] = (ref, stored)
+        return stored
 
     def _save(
         self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int, seq: int
     ) -> _Stored | None:
         """Counts a new span and offloads it if the selection says so."""
-        self.bytes_saved += nbytes
-        self.tensors_saved += 1
-        if nbytes < self.options.min_bytes or not self._choose(len(self.sizes), nbytes):
+        if not self._count(nbytes):
             return None
         self.bytes_offloaded += nbytes
         self.tensors_offloaded += 1
         return self._offload(t, storage, start, nbytes, seq)
+
+    def _count(self, nbytes: int) -> bool:
+        """Counts a new span; whether the selection offloads it."""
+        self.bytes_saved += nbytes
+        self.tensors_saved += 1
+        return nbytes >= self.options.min_bytes and self._choose(len(self.sizes), nbytes)
+
+    def _count_kept(self) -> None:
+        """Counts the spans ``pack_kept`` noted, each once (see [Note: recognising a span]), in save order."""
+        counted = set()
+        for ref, ptr, start, nbytes in self._kept:
+            key = (id(ref), ptr, start, nbytes)
+            if key not in counted:
+                counted.add(key)
+                self._count(nbytes)  # False: the selection takes nothing at ratio 0
+        self._kept.clear()
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int, seq: int) -> _Stored:
         """Starts the copy out of a span; bounds the device bytes still waiting for theirs."""
@@ -265,6 +333,7 @@ class _Run:
     def finish(self, record: RegionRecord) -> None:
         """Ends the forward: the measurement becomes the next entry's plan; statistics are recorded."""
         with self._lock:
+            self._count_kept()
             self._seen.clear()
             record.candidate_sizes, record.bytes_saved = self.sizes, self.bytes_saved
             record.clock = self.clock
@@ -278,11 +347,18 @@ class _Run:
     # -- backward -----------------------------------------------------------------------------------
 
     def unpack(self, handle: _Resident | _Offloaded) -> torch.Tensor:
+        if type(handle) is tuple:
+            seq, tensor = handle
+            # Read without the lock: in a run that offloaded nothing both stay empty; otherwise a stale
+            # read only moves a retire or a prefetch to a later unpack.
+            if self._cursor >= 0 or self._pending:
+                with self._lock:
+                    self._poll()
+                    self._prefetch(seq)
+            return tensor
         with self._lock:
             self._poll()
             self._prefetch(handle.seq)
-            if isinstance(handle, _Resident):
-                return handle.tensor
             stored = handle.stored
             if stored.restored is None:
                 self._restore(stored)
@@ -381,7 +457,7 @@ class CPUOffload:
                 f"CPUOffload region tag={self.tag!r} is already active; nested regions need distinct tags"
             )
         self._run = _Run(self._options, self._record)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._run.pack, self._run.unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._run.hooks())
         self._hooks.__enter__()
         self._record.active = True
         return self

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from examples.gpt.model import GPT, config, lm_loss
 from lightning_haiscale.cpu_offload import CPUOffload, PinnedBufferPool, offload_stats, reset_offload_stats
 from lightning_haiscale.cpu_offload import region as region_module
+from lightning_haiscale.cpu_offload.stats import region_record
 from lightning_haiscale.cpu_offload.transfer import HostTransfer
 
 _TAGS = itertools.count()
@@ -321,6 +322,53 @@ def test_span_saved_again_after_its_first_saves_were_released():
     got, w.grad = w.grad, None
     (x @ w).sum().backward()
     assert torch.equal(got, w.grad)
+
+
+def test_ratio_0_measures_what_the_general_path_measures(gpt):
+    """Ratio 0 counts at exit (see [Note: the cost of the hooks]); 1e-9 offloads nothing either, via ``pack``."""
+    model, idx, targets = gpt
+    measured = []
+    for ratio in (0.0, 1e-9):
+        tag = _tag()
+        with CPUOffload(ratio, tag, min_bytes=4096, force_copy=True) as region:
+            loss = lm_loss(model(idx), targets)
+        loss.backward()
+        stats, sizes = region.stats(), region_record(tag).candidate_sizes
+        assert stats.bytes_offloaded == 0 and stats.tensors_saved > len(sizes) > 0
+        assert all(n >= 4096 for n in sizes)
+        measured.append((stats.bytes_saved, stats.tensors_saved, sizes))
+    assert measured[0] == measured[1]
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_each_storage_span_counts_once(ratio):
+    w = torch.randn(64, 64, requires_grad=True)
+    x, big = torch.randn(32, 64), torch.randn(1000, 64)
+    with CPUOffload(ratio, min_bytes=0, force_copy=True) as region:
+        y = (x @ w).relu()  # x and y; w is a leaf that requires grad: not counted
+        loss = (y * y).sum() + (w.t()[:, :8] * 2).sum()  # y twice more; a view of w: not counted
+        (big[500:510] @ w).sum()  # a slice of a large storage counts its span; graph released at once
+        loss = loss + (big[500:510] @ w).sum()  # the same span saved again after its first save was released
+        first = torch.randn(16, 64)
+        (first @ w).sum()
+        del first
+        loss = loss + (torch.randn(16, 64) @ w).sum()  # another storage, maybe at the freed address
+    stats = region.stats()
+    assert stats.tensors_saved == 5
+    assert stats.bytes_saved == (2 * 32 * 64 + 10 * 64 + 2 * 16 * 64) * 4
+    assert stats.bytes_offloaded == ratio * stats.bytes_saved
+    loss.backward()
+
+
+def test_a_ratio_0_entry_plans_the_next_entry(gpt):
+    model, idx, targets = gpt
+    tag = _tag()
+    _grads(model, idx, targets, CPUOffload(0.0, tag, min_bytes=0, force_copy=True))
+    measured = list(region_record(tag).candidate_sizes)
+    got = _grads(model, idx, targets, CPUOffload(0.5, tag, min_bytes=0, force_copy=True))
+    _assert_bitwise_equal(got, _grads(model, idx, targets))
+    assert region_record(tag).candidate_sizes == measured  # the ratio 0.5 entry measured the same sequence
+    assert abs(offload_stats(tag).achieved_ratio - 0.5) < 0.1
 
 
 def test_each_offloaded_span_is_copied_out_once_and_its_buffer_returned(gpt, monkeypatch):
