@@ -1,6 +1,6 @@
 """``make bench``: every technique beside its peer in one run; writes RESULTS.md's summary and results.png.
 
-    python benchmarks/report.py [--quick] [--only allreduce,ddp,fsdp,pipeline,offload]
+    python benchmarks/report.py [--quick] [--only allreduce,ddp,fsdp,pipeline,offload_hooks,offload]
 
 Each benchmark runs as its own subprocess (its log under ``benchmarks/logs/``) and writes rows as JSON:
 ``technique, config, ours, peer, metric, ours_value, peer_value`` (higher is better) and, where measured,
@@ -46,6 +46,7 @@ def runs(quick: bool) -> list[Run]:
         Run("ddp", ["strategies.py", "ddp", *repeats], 300 if quick else 500),
         Run("fsdp", ["strategies.py", "fsdp", *repeats], 420 if quick else 900),
         Run("pipeline", ["strategies.py", "pipeline"], 240),
+        Run("offload_hooks", ["offload_overhead.py"], 30),
         Run("offload", ["offload_gpu.py"], 120, needs_cuda=True),
     ]
 
@@ -66,7 +67,8 @@ def run_one(run: Run, logs: Path) -> list[dict]:
         print(f"{run.name}: failed (exit {proc.returncode}); see {log}", file=sys.stderr)
         return []
     data = json.loads(out.read_text())
-    return allreduce_rows(data) if run.name == "allreduce" else data["rows"]
+    converters = {"allreduce": allreduce_rows, "offload_hooks": offload_hook_rows}
+    return converters[run.name](data) if run.name in converters else data["rows"]
 
 
 def allreduce_rows(data: dict) -> list[dict]:
@@ -86,6 +88,17 @@ def allreduce_rows(data: dict) -> list[dict]:
         row(f"{mib:g} MiB fp32", "GB/s", gbps(large["engine_s"]), gbps(large["gloo_s"])),
         row(f"{mib:g} MiB fp32, alloc_buffer", "GB/s", gbps(large["buffer_s"]), gbps(large["gloo_s"])),
     ]
+
+
+def offload_hook_rows(data: dict) -> list[dict]:
+    """The offload hooks' cost per saved tensor at ratio 0 against save_on_cpu's, as saved tensors per µs."""
+    by_name = {r["name"]: r["overhead_us_per_tensor"] for r in data["results"]}
+    ours, peer = by_name["ratio 0 force_copy"], by_name["save_on_cpu"]
+    return [
+        {"technique": "CPU offload hooks", "config": f"tiny GPT, {data['saved_tensors']} saved tensors, ratio 0",
+         "ours": "CPUOffload", "peer": "save_on_cpu", "metric": "tensors/µs of hook time",
+         "ours_value": 1 / ours, "peer_value": 1 / peer}
+    ]  # fmt: skip
 
 
 def summary(rows: list[dict], command: str) -> str:
@@ -154,7 +167,7 @@ def chart(rows: list[dict], path: Path) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one repeat per pair (about 5 minutes on 2 idle cores)")
-    parser.add_argument("--only", help="comma-separated subset of allreduce,ddp,fsdp,pipeline,offload")
+    parser.add_argument("--only", help="comma-separated subset of allreduce,ddp,fsdp,pipeline,offload_hooks,offload")
     args = parser.parse_args()
     logs = HERE / "logs"
     logs.mkdir(exist_ok=True)
