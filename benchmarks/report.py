@@ -42,11 +42,11 @@ class Run:
 def runs(quick: bool) -> list[Run]:
     repeats = ["--repeats", "1"] if quick else []
     return [
-        Run("allreduce", ["allreduce.py", "--world", "2", "--min", "4K", "--max", "64M"], 60),
-        Run("ddp", ["strategies.py", "ddp", *repeats], 300 if quick else 500),
-        Run("fsdp", ["strategies.py", "fsdp", *repeats], 420 if quick else 900),
-        Run("pipeline", ["strategies.py", "pipeline"], 240),
-        Run("offload_hooks", ["offload_overhead.py"], 30),
+        Run("allreduce", ["allreduce.py", "--world", "2", "--min", "4K", "--max", "64M"], 15),
+        Run("ddp", ["strategies.py", "ddp", *repeats], 110 if quick else 200),
+        Run("fsdp", ["strategies.py", "fsdp", *repeats], 150 if quick else 280),
+        Run("pipeline", ["strategies.py", "pipeline"], 55),
+        Run("offload_hooks", ["offload_overhead.py"], 12),
         Run("offload", ["offload_gpu.py"], 120, needs_cuda=True),
     ]
 
@@ -166,7 +166,7 @@ def chart(rows: list[dict], path: Path) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one repeat per pair (about 5 minutes on 2 idle cores)")
+    parser.add_argument("--quick", action="store_true", help="one repeat per pair (about half the time)")
     parser.add_argument("--only", help="comma-separated subset of allreduce,ddp,fsdp,pipeline,offload_hooks,offload")
     args = parser.parse_args()
     logs = HERE / "logs"
