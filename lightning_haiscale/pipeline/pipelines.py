@@ -84,7 +84,10 @@ class Pipeline(nn.Module):
         self.num_ranks = dist.get_world_size(process_group) if initialized else 1
         self.num_stages = self.num_ranks * len(modules)
         if self.num_ranks == 1 and len(modules) > 1:
-            raise ValueError("several model chunks need at least 2 pipeline ranks")
+            raise ValueError(
+                f"{len(modules)} model chunks per rank need at least 2 pipeline ranks, got 1: use one chunk per "
+                "rank (num_model_chunks=1, GPipe or PipeDream) or more ranks"
+            )
         self._sync_grads = True
         self._schedules: dict[tuple[int, bool], dict[int, list[Action]]] = {}
         self.peak_live = 0

@@ -190,3 +190,8 @@ def test_lost_stage_raises_on_its_peer(how: str, within: float) -> None:
     """A dead stage is seen at once (gloo's closed connection); a stalled one at the group's 3 s timeout."""
     elapsed = run_distributed(_peer_lost, 2, how, may_die={1}, timeout=60)[0]
     assert elapsed < within
+
+
+def test_several_chunks_on_one_rank_are_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"2 model chunks per rank need at least 2 pipeline ranks.*num_model_chunks=1"):
+        Interleaved1F1B([nn.Linear(2, 2), nn.Linear(2, 2)], chunks=2)
