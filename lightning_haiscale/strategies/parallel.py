@@ -134,7 +134,11 @@ class HaiParallelStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if dist.is_available() and dist.is_initialized():
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_backend() == dist.Backend.NCCL:  # NCCL must know the device, or it guesses GPU 0
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
             dist.barrier()
 
     @override
