@@ -14,6 +14,8 @@ from lightning_haiscale.ddp import DistributedDataParallel
 
 __all__ = ["HaiDDPStrategy"]
 
+_TORCH_DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
 
 class HaiDDPStrategy(DDPStrategy):
     """Data parallel whose gradients are averaged by the hfreduce engine while backward runs.
@@ -25,7 +27,8 @@ class HaiDDPStrategy(DDPStrategy):
         bucket_cap_mb: the most MiB of gradients in one all-reduce.
         find_unused_parameters: allow parameters that get no gradient in some steps.
         broadcast_buffers: copy rank 0's buffers to every rank before each forward.
-        **kwargs: passed to ``DDPStrategy`` (``accelerator``, ``start_method``, ``timeout``, ...).
+        **kwargs: passed to ``DDPStrategy`` (``accelerator``, ``start_method``, ``timeout``, ...); torch DDP's
+            own options (``static_graph``, ``ddp_comm_hook``, ...) raise ``TypeError`` rather than being ignored.
     """
 
     strategy_name = "hai_ddp"
@@ -38,6 +41,12 @@ class HaiDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        ignored = sorted(self._ddp_kwargs) + [name for name in _TORCH_DDP_ONLY if kwargs.get(name) is not None]
+        if ignored:
+            raise TypeError(
+                f"HaiDDPStrategy does not take {ignored}: those configure torch's DistributedDataParallel, which "
+                "hai_ddp replaces; it takes bucket_cap_mb, find_unused_parameters and broadcast_buffers"
+            )
         self._hai_kwargs = {
             "bucket_cap_mb": bucket_cap_mb,
             "find_unused_parameters": find_unused_parameters,

@@ -7,6 +7,7 @@ parameter's norm; a resumed run's losses and weights equal the uninterrupted run
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -210,3 +211,10 @@ def test_hai_ddp_spawn_returns_trained_weights(monkeypatch: pytest.MonkeyPatch) 
     reference = run_distributed(_boring_ddp_weights, 2)[0]
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, torch.tensor(reference[name]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("option", [{"static_graph": True}, {"ddp_comm_hook": lambda state, bucket: None}])
+def test_torch_ddp_options_are_refused_not_ignored(option: dict[str, Any]) -> None:
+    with pytest.raises(TypeError, match=rf"does not take \['{next(iter(option))}'\].*bucket_cap_mb"):
+        HaiDDPStrategy(**option)
+    HaiDDPStrategy(bucket_cap_mb=10, timeout=timedelta(seconds=30), start_method="spawn")  # Lightning's own: fine
