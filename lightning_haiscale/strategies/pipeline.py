@@ -12,8 +12,8 @@ loss is scaled by ``1 / (chunks * accumulate_grad_batches)``, so accumulated gra
 ``module_name=``); it is replaced by a ``StageProxy`` holding this rank's layers. Steps run unmodified
 through capture and replay (see ``lightning_haiscale.pipeline.capture``): the step must call the network
 exactly once (``out = self(x)`` with ``forward`` calling it, or ``self.net(x)``), batch rows must be
-independent, ``training_step`` must return the loss tensor (or a dict with ``"loss"``), and values given
-to ``self.log`` are averaged over microbatches. Anything else raises with the reason. The loss and logs
+independent, ``training_step`` must return the loss tensor (or a dict with ``"loss"``) under automatic optimization,
+and values given to ``self.log`` are averaged over microbatches. Anything else raises with the reason. The loss and logs
 of the last stage are broadcast to its pipeline and logged on every rank, so rank 0's progress bar and
 loggers see them, and ``sync_dist`` over the world averages the data-parallel replicas; torchmetrics objects
 are logged by attribute on every rank (they sync themselves).
@@ -127,11 +127,17 @@ class _PipelineStrategy(HaiParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                f"{type(self).__name__} needs automatic optimization: the schedule runs every microbatch's forward "
+                "and backward inside training_step, so manual_backward has nothing to do; set "
+                "self.automatic_optimization = True and return the loss from training_step"
+            )
         self.accelerator.setup(trainer)
         self._install_proxy()
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        fitting = trainer.state.fn == TrainerFn.FITTING
         self._pipeline = self._build_pipeline(self._wrap_stages(fitting))
         self._pipeline.forward_context = _offload_context(trainer)
         if fitting:

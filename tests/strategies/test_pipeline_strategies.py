@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -146,6 +147,11 @@ def _train_world_2(rank: int, world: int, tmp: str) -> None:
     expected_clip, _ = reference(STEPS, BATCH, clip=CLIP)
     trainer = fit(Interleaved1F1BStrategy(chunks=2), tmp, gradient_clip_val=CLIP)  # two stages per rank
     _check_full_state(trainer, expected_clip, "clip")
+    manual = Classifier()
+    manual.automatic_optimization = False  # refused on every rank at setup, before any transfer
+    trainer = L.Trainer(strategy=PipeDreamStrategy(chunks=2), accelerator="cpu", devices=2, max_steps=1, logger=False)
+    with pytest.raises(ValueError, match="needs automatic optimization"):
+        trainer.fit(manual, DataLoader(data(), batch_size=BATCH))
 
 
 def test_strategies_train_like_one_process(tmp_path: Any) -> None:
