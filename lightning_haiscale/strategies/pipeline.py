@@ -12,11 +12,11 @@ loss is scaled by ``1 / (chunks * accumulate_grad_batches)``, so accumulated gra
 ``module_name=``); it is replaced by a ``StageProxy`` holding this rank's layers. Steps run unmodified
 through capture and replay (see ``lightning_haiscale.pipeline.capture``): the step must call the network
 exactly once (``out = self(x)`` with ``forward`` calling it, or ``self.net(x)``), batch rows must be
-independent, ``training_step`` must return the loss tensor (or a dict with ``"loss"``) under automatic optimization,
-and values given to ``self.log`` are averaged over microbatches. Anything else raises with the reason. The loss and logs
-of the last stage are broadcast to its pipeline and logged on every rank, so rank 0's progress bar and
-loggers see them, and ``sync_dist`` over the world averages the data-parallel replicas; torchmetrics objects
-are logged by attribute on every rank (they sync themselves).
+independent, ``training_step`` must return the loss tensor (or a dict with ``"loss"``) under automatic
+optimization, and values given to ``self.log`` are averaged over microbatches. Anything else raises with
+the reason. The loss and logs of the last stage are broadcast to its pipeline and logged on every rank, so
+rank 0's progress bar and loggers see them, and ``sync_dist`` over the world averages the data-parallel
+replicas; torchmetrics objects are logged by attribute on every rank (they sync themselves).
 """
 
 from __future__ import annotations
