@@ -208,7 +208,7 @@ class _PipelineStrategy(HaiParallelStrategy):
         if batch_idx % accumulate == 0:
             for optimizer in self.optimizers:
                 self._module_zero_grad(trainer.current_epoch, batch_idx, optimizer)
-        batches = split_batch(args[0], self.chunks)  # on every rank: a bad size fails everywhere, at once
+        batches = self._split_training_batch(args[0])
         recorder = _LogRecorder()
 
         def loss_fn(m: int, output: Any) -> torch.Tensor:
@@ -221,6 +221,16 @@ class _PipelineStrategy(HaiParallelStrategy):
             result = self._pipeline.run_microbatches(microbatches, loss_fn, loss_scale=1.0 / (self.chunks * accumulate))
         loss = torch.stack([result.losses[m] for m in range(self.chunks)]).mean() if result.losses else None
         return self._publish(recorder, loss)
+
+    def _split_training_batch(self, batch: Any) -> list[Any]:
+        """On every rank (all see the same batch): a size that does not split fails everywhere, at once."""
+        try:
+            return split_batch(batch, self.chunks)
+        except ValueError as error:
+            raise ValueError(
+                f"{error}: training batches must split evenly into chunks={self.chunks} microbatches; for a "
+                "smaller last batch of the epoch use DataLoader(..., drop_last=True)"
+            ) from error
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

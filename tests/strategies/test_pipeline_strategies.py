@@ -152,6 +152,8 @@ def _train_world_2(rank: int, world: int, tmp: str) -> None:
     trainer = L.Trainer(strategy=PipeDreamStrategy(chunks=2), accelerator="cpu", devices=2, max_steps=1, logger=False)
     with pytest.raises(ValueError, match="needs automatic optimization"):
         trainer.fit(manual, DataLoader(data(), batch_size=BATCH))
+    with pytest.raises(ValueError, match=r"chunks=2 does not divide batch size 3.*drop_last=True"):
+        fit(PipeDreamStrategy(chunks=2), tmp, rows=2 * BATCH + 3, limit_val_batches=0)  # last batch: 3 rows
 
 
 def test_strategies_train_like_one_process(tmp_path: Any) -> None:
