@@ -20,7 +20,7 @@ import torch
 
 from lightning_haiscale.pipeline.partition import SequentialModel
 
-__all__ = ["InputsCaptured", "StageProxy", "split_batch"]
+__all__ = ["InputsCaptured", "StageProxy", "batch_rows", "split_batch"]
 
 _IDLE, _CAPTURE, _REPLAY = range(3)
 
@@ -76,6 +76,16 @@ class StageProxy(SequentialModel):
             "this network is split across pipeline stages; call it only inside the training, validation, test "
             "or predict step that the pipeline strategy runs"
         )
+
+
+def batch_rows(batch: Any) -> int | None:
+    """Dim 0 of the first tensor of at least one dimension in a (nested tuple/list/dict) batch; None: none."""
+    if torch.is_tensor(batch):
+        return batch.size(0) if batch.dim() else None
+    items = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(batch, (Mapping, Sequence)) and not isinstance(batch, str):
+        return next((n for n in map(batch_rows, items) if n is not None), None)
+    return None
 
 
 def split_batch(batch: Any, chunks: int, even: bool = True) -> list[Any]:

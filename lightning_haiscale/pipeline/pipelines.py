@@ -160,13 +160,18 @@ class Pipeline(nn.Module):
         *,
         loss_scale: float,
         keep_outputs: bool = False,
+        uneven: bool = False,
     ) -> StepResult:
         """One training step over already-split ``microbatches`` (first stage) with a custom ``loss_fn``.
 
         ``loss_fn(m, output)`` runs on the last stage; the backward of microbatch ``m`` starts from
-        ``loss_fn(m, output) * loss_scale``. The Lightning strategies use this entry point.
+        ``loss_fn(m, output) * loss_scale``. ``uneven``: the microbatches' shapes differ within the step, so
+        each carries its shape header (every rank passes the same value). The Lightning strategies use this
+        entry point.
         """
-        config = self._config(self.chunks, training=True, loss_fn=loss_fn, loss_scale=loss_scale, keep=keep_outputs)
+        config = self._config(
+            self.chunks, training=True, loss_fn=loss_fn, loss_scale=loss_scale, keep=keep_outputs, uneven=uneven
+        )
         result = self._run(self.schedule(self.chunks), microbatches, config)
         self.peak_live = result.peak_live
         return result
@@ -178,12 +183,14 @@ class Pipeline(nn.Module):
         """
         n = microbatches or self.chunks
         batches = split_microbatches(inputs, n, even=False) if inputs else None
-        config = self._config(n, training=False, loss_fn=None, loss_scale=1.0, keep=True)
+        config = self._config(n, training=False, loss_fn=None, loss_scale=1.0, keep=True, uneven=True)
         with torch.no_grad():
             result = self._run(self.schedule(n, forward_only=True), batches, config)
         return _join(result.outputs, n) if self.is_last_stage else None
 
-    def _config(self, n: int, training: bool, loss_fn: LossFn | None, loss_scale: float, keep: bool) -> StepConfig:
+    def _config(
+        self, n: int, training: bool, loss_fn: LossFn | None, loss_scale: float, keep: bool, uneven: bool
+    ) -> StepConfig:
         policy = self.checkpoint
         return StepConfig(
             num_ranks=self.num_ranks,
@@ -195,7 +202,7 @@ class Pipeline(nn.Module):
             loss_scale=loss_scale,
             keep_outputs=keep,
             sync_grads=self._sync_grads,
-            header_every_microbatch=not training,  # evaluation splits may be uneven
+            header_every_microbatch=uneven,
             checkpoint=lambda m: policy == "always" or (policy == "except_last" and m != n - 1),
             forward_context=self.forward_context,
         )

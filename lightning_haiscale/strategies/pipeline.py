@@ -7,6 +7,8 @@
 start of each accumulation window, before the schedule, and turns the call Lightning makes later into a
 no-op; ``backward`` only runs the ``on_before_backward`` / ``on_after_backward`` hooks. Each microbatch's
 loss is scaled by ``1 / (chunks * accumulate_grad_batches)``, so accumulated gradients are those of the mean.
+A batch that does not split evenly (an epoch's smaller last batch) splits into sizes that differ by one, and
+each microbatch's loss is weighted by its share of the rows, so the gradient is still the batch mean's.
 
 [Note: supported step forms] The network is the LightningModule's one ``nn.Sequential`` attribute (or
 ``module_name=``); it is replaced by a ``StageProxy`` holding this rank's layers. Steps run unmodified
@@ -39,7 +41,7 @@ from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups, partition
-from lightning_haiscale.pipeline.capture import InputsCaptured, StageProxy, split_batch
+from lightning_haiscale.pipeline.capture import InputsCaptured, StageProxy, batch_rows, split_batch
 from lightning_haiscale.pipeline.pipelines import split_microbatches
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy
 
@@ -208,29 +210,47 @@ class _PipelineStrategy(HaiParallelStrategy):
         if batch_idx % accumulate == 0:
             for optimizer in self.optimizers:
                 self._module_zero_grad(trainer.current_epoch, batch_idx, optimizer)
-        batches = self._split_training_batch(args[0])
-        recorder = _LogRecorder()
+        batches, weights = self._split_training_batch(args[0])
+        recorder = _LogRecorder(weights)
 
         def loss_fn(m: int, output: Any) -> torch.Tensor:
             with self._proxy.replaying(output), recorder.recording(module, m):
-                return _loss_of(module.training_step(batches[m], *args[1:], **kwargs))
+                loss = _loss_of(module.training_step(batches[m], *args[1:], **kwargs))
+            return loss if weights is None else loss * weights[m]
 
         with self.precision_plugin.train_step_context():
             inputs = self._capture(module.training_step, args, kwargs)
-            microbatches = split_microbatches(inputs, self.chunks) if inputs is not None else None
-            result = self._pipeline.run_microbatches(microbatches, loss_fn, loss_scale=1.0 / (self.chunks * accumulate))
+            microbatches = None if inputs is None else self._split_inputs(inputs, batches, weights is not None)
+            scale, uneven = 1.0 / (self.chunks * accumulate), weights is not None
+            result = self._pipeline.run_microbatches(microbatches, loss_fn, loss_scale=scale, uneven=uneven)
         loss = torch.stack([result.losses[m] for m in range(self.chunks)]).mean() if result.losses else None
         return self._publish(recorder, loss)
 
-    def _split_training_batch(self, batch: Any) -> list[Any]:
-        """On every rank (all see the same batch): a size that does not split fails everywhere, at once."""
-        try:
-            return split_batch(batch, self.chunks)
-        except ValueError as error:
+    def _split_training_batch(self, batch: Any) -> tuple[list[Any], list[float] | None]:
+        """The microbatches, and the loss weight of each when the batch does not split evenly (an epoch's
+        smaller last batch): its share of the rows times ``chunks``, so that the weighted microbatch losses
+        average to the batch's mean loss. On every rank (all see the same batch), so all agree."""
+        rows = batch_rows(batch)
+        if rows is not None and rows < self.chunks:
             raise ValueError(
-                f"{error}: training batches must split evenly into chunks={self.chunks} microbatches; for a "
-                "smaller last batch of the epoch use DataLoader(..., drop_last=True)"
-            ) from error
+                f"a training batch of {rows} rows cannot make chunks={self.chunks} microbatches: use fewer chunks, "
+                "or DataLoader(..., drop_last=True) if it is the last batch of the epoch"
+            )
+        parts = split_batch(batch, self.chunks, even=False)
+        if rows is None or rows % self.chunks == 0:
+            return parts, None
+        base, extra = divmod(rows, self.chunks)  # tensor_split: the first `extra` microbatches have one more row
+        return parts, [(base + (m < extra)) * self.chunks / rows for m in range(self.chunks)]
+
+    def _split_inputs(self, inputs: tuple[Any, ...], batches: list[Any], uneven: bool) -> list[tuple[Any, ...]]:
+        """The network's inputs per microbatch; for an uneven batch, row for row with the batch's microbatches."""
+        parts = split_microbatches(inputs, self.chunks, even=not uneven)
+        if uneven and [batch_rows(p) for p in parts] != [batch_rows(b) for b in batches]:
+            raise ValueError(
+                "the network's inputs do not have the batch's rows, so an uneven batch cannot be split row for row; "
+                "use a batch size divisible by chunks and DataLoader(..., drop_last=True)"
+            )
+        return parts
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -424,8 +444,9 @@ class Interleaved1F1BStrategy(_PipelineStrategy):
 class _LogRecorder:
     """Collects a step's ``self.log`` calls per microbatch, to log them once, averaged, on every stage."""
 
-    def __init__(self) -> None:
-        self.calls: dict[str, tuple[list[Any], dict[str, Any]]] = {}
+    def __init__(self, weights: Sequence[float] | None = None) -> None:
+        self.weights = weights  # per microbatch (uneven splits); None: all equal
+        self.calls: dict[str, tuple[list[tuple[float, Any]], dict[str, Any]]] = {}
         self.module: nn.Module | None = None
 
     @contextlib.contextmanager
@@ -436,7 +457,7 @@ class _LogRecorder:
             if args:
                 raise TypeError("pipeline strategies need self.log's options as keywords (self.log(name, value, k=v))")
             values, _ = self.calls.setdefault(name, ([], kwargs))
-            values.append(value)
+            values.append((1.0 if self.weights is None else self.weights[microbatch], value))
 
         with _patched(module, "log", record):
             yield
@@ -445,14 +466,15 @@ class _LogRecorder:
         """``(name, "metric", attribute path, kwargs)`` or ``(name, "value", mean as float, kwargs)``."""
         out = []
         for name, (values, kwargs) in self.calls.items():
-            if isinstance(values[0], nn.Module):
-                path = next((p for p, m in self.module.named_modules() if m is values[0]), None)
+            first = values[0][1]
+            if isinstance(first, nn.Module):
+                path = next((p for p, m in self.module.named_modules() if m is first), None)
                 if path is None:
                     raise ValueError(f"self.log({name!r}, metric): the metric must be an attribute of the module")
                 out.append((name, "metric", path, kwargs))
             else:
-                mean = sum(float(torch.as_tensor(v).detach().float().mean()) for v in values) / len(values)
-                out.append((name, "value", mean, kwargs))
+                total = sum(w * float(torch.as_tensor(v).detach().float().mean()) for w, v in values)
+                out.append((name, "value", total / sum(w for w, _ in values), kwargs))
         return out
 
 

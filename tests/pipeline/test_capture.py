@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_haiscale.pipeline.capture import InputsCaptured, StageProxy, split_batch
+from lightning_haiscale.pipeline.capture import InputsCaptured, StageProxy, batch_rows, split_batch
 
 
 def test_capture_stops_at_the_network_call_and_replay_returns_the_output() -> None:
@@ -35,3 +35,10 @@ def test_split_batch_handles_nested_batches_and_names_both_numbers() -> None:
     with pytest.raises(ValueError, match="chunks=3 does not divide batch size 4"):
         split_batch(batch, 3)
     assert [len(p) for p in split_batch(torch.arange(5), 2, even=False)] == [3, 2]
+
+
+def test_batch_rows_finds_the_first_batched_tensor() -> None:
+    x = torch.zeros(5, 3)
+    assert batch_rows(x) == 5 and batch_rows(torch.tensor(1.0)) is None
+    assert batch_rows({"scale": torch.tensor(2.0), "tokens": (x, [torch.zeros(5)])}) == 5
+    assert batch_rows(["text", 3]) is None

@@ -3,7 +3,8 @@
 An unmodified LightningModule (``x, y = batch; out = self(x); loss = F.cross_entropy(out, y);
 self.log(...); return loss``) trains 5 steps; its parameters must equal the reference's (rtol 1e-5), the
 last stage's logged loss must reach rank 0, ``gradient_clip_val`` must clip by the whole model's norm
-(not each stage's), checkpoints must round-trip between stage counts, and a resume must continue bit-for-bit.
+(not each stage's), an epoch's uneven last batch must train as one process would, checkpoints must
+round-trip between stage counts, and a resume must continue bit-for-bit.
 """
 
 from __future__ import annotations
@@ -67,14 +68,19 @@ def data(n: int = BATCH * STEPS * 2) -> TensorDataset:
 
 
 def reference(
-    steps: int, batch: int, accumulate: int = 1, dp: int = 1, clip: float | None = None
+    steps: int,
+    batch: int,
+    accumulate: int = 1,
+    dp: int = 1,
+    clip: float | None = None,
+    rows: int = BATCH * STEPS * 2,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """Plain PyTorch on the batches Lightning's sampler gives (shuffled, sharded by data-parallel rank): each
     optimizer step's samples from every replica, their mean loss, gradients clipped to norm ``clip``."""
     module = Classifier()
     opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
-    x, y = data().tensors
-    orders = [list(DistributedSampler(data(), num_replicas=dp, rank=r, shuffle=True, seed=0)) for r in range(dp)]
+    x, y = data(rows).tensors
+    orders = [list(DistributedSampler(data(rows), num_replicas=dp, rank=r, shuffle=True, seed=0)) for r in range(dp)]
     per_step = batch * accumulate
     for step in range(steps):
         rows = [i for order in orders for i in order[step * per_step : (step + 1) * per_step]]
@@ -152,8 +158,15 @@ def _train_world_2(rank: int, world: int, tmp: str) -> None:
     trainer = L.Trainer(strategy=PipeDreamStrategy(chunks=2), accelerator="cpu", devices=2, max_steps=1, logger=False)
     with pytest.raises(ValueError, match="needs automatic optimization"):
         trainer.fit(manual, DataLoader(data(), batch_size=BATCH))
-    with pytest.raises(ValueError, match=r"chunks=2 does not divide batch size 3.*drop_last=True"):
-        fit(PipeDreamStrategy(chunks=2), tmp, rows=2 * BATCH + 3, limit_val_batches=0)  # last batch: 3 rows
+    # An epoch's smaller last batch (6 rows, 4 chunks: 2, 2, 1, 1) trains as one process would on it.
+    rows = 2 * BATCH + 6
+    expected_uneven, last_loss = reference(3, BATCH, rows=rows)
+    for strategy in (PipeDreamStrategy(chunks=4), Interleaved1F1BStrategy(chunks=4)):
+        trainer = fit(strategy, tmp, steps=3, rows=rows, limit_val_batches=0)
+        _check_full_state(trainer, expected_uneven, f"uneven {strategy.strategy_name}")
+        assert abs(float(trainer.callback_metrics["train_loss"]) - last_loss) < 1e-5
+    with pytest.raises(ValueError, match=r"batch of 3 rows cannot make chunks=4 microbatches.*drop_last=True"):
+        fit(PipeDreamStrategy(chunks=4), tmp, steps=3, rows=2 * BATCH + 3, limit_val_batches=0)
 
 
 def test_strategies_train_like_one_process(tmp_path: Any) -> None:
