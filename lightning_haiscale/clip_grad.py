@@ -24,16 +24,15 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scales the gradients so that their norm over every rank of ``process_group`` is at most ``max_norm``.
 
-    Each rank passes its own, disjoint parameters; every rank of the group must call it (a collective).
-    Ranks that hold the same parameters (data-parallel replicas, after their gradient all-reduce) belong
-    in different groups. Returns the total norm (float32, on the parameters' device).
+    Each rank passes its own, disjoint parameters (possibly none: a pipeline stage of activations only);
+    every rank of the group must call it (a collective). Ranks that hold the same parameters (data-parallel
+    replicas, after their gradient all-reduce) belong in different groups. Returns the total norm (float32,
+    on the parameters' device).
     """
     params = list(parameters)
-    if not params:
-        raise ValueError("clip_grad_norm_ got no parameters; every rank of the group must hold some")
     norm_type = float(norm_type)
     grads = [p.grad for p in params if p.grad is not None]
-    device = params[0].device
+    device = params[0].device if params else _collective_device(process_group)
     local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=device)
     if norm_type == math.inf:
         total = local.float().reshape(1)
@@ -45,3 +44,10 @@ def clip_grad_norm_(
     total = total.reshape(())
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a rank without parameters puts its share: NCCL reduces CUDA tensors only."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -41,6 +41,12 @@ def test_matches_torch_on_the_whole_model(norm_type: float) -> None:
             torch.testing.assert_close(torch.tensor(got), want.flatten())
 
 
-def test_empty_parameters_are_refused() -> None:
-    with pytest.raises(ValueError, match="no parameters"):
-        clip_grad_norm_([], 1.0)
+def _clip_on_rank_0_only(rank: int, world: int) -> float:
+    """Rank 1 holds no parameters (a pipeline stage of activations only): it contributes nothing, and waits."""
+    params = list(_model_with_grads().parameters()) if rank == 0 else []
+    return float(clip_grad_norm_(params, MAX_NORM))
+
+
+def test_a_rank_without_parameters_takes_part() -> None:
+    expected = float(torch.nn.utils.clip_grad_norm_(_model_with_grads().parameters(), MAX_NORM))
+    assert run_distributed(_clip_on_rank_0_only, 2) == pytest.approx([expected, expected], rel=1e-6)
