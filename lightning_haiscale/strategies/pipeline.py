@@ -44,6 +44,7 @@ from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipel
 from lightning_haiscale.pipeline.capture import InputsCaptured, StageProxy, batch_rows, split_batch
 from lightning_haiscale.pipeline.pipelines import split_microbatches
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy
+from lightning_haiscale.strategies.step_logs import LogRecorder, ignore_log, patched
 
 __all__ = ["GPipeStrategy", "Interleaved1F1BStrategy", "PipeDreamStrategy"]
 
@@ -211,7 +212,7 @@ class _PipelineStrategy(HaiParallelStrategy):
             for optimizer in self.optimizers:
                 self._module_zero_grad(trainer.current_epoch, batch_idx, optimizer)
         batches, weights = self._split_training_batch(args[0])
-        recorder = _LogRecorder(weights)
+        recorder = LogRecorder(weights)
 
         def loss_fn(m: int, output: Any) -> torch.Tensor:
             with self._proxy.replaying(output), recorder.recording(module, m):
@@ -271,7 +272,7 @@ class _PipelineStrategy(HaiParallelStrategy):
     def _evaluation_step(self, step: Callable[..., Any], args: tuple, kwargs: dict, publish: bool = True) -> Any:
         inputs = self._capture(step, args, kwargs)
         output = self._pipeline(*inputs) if inputs is not None else self._pipeline()
-        recorder, result = _LogRecorder(), None
+        recorder, result = LogRecorder(), None
         if self._pipeline.is_last_stage:
             with self._proxy.replaying(output), recorder.recording(self.lightning_module, 0):
                 result = step(*args, **kwargs)
@@ -287,7 +288,7 @@ class _PipelineStrategy(HaiParallelStrategy):
         """The network's inputs on the first stage (the step runs up to the network call); ``None`` elsewhere."""
         if not self._pipeline.is_first_stage:
             return None
-        with self._proxy.capturing(), _patched(self.lightning_module, "log", _ignore):
+        with self._proxy.capturing(), patched(self.lightning_module, "log", ignore_log):
             try:
                 step(*args, **kwargs)
             except InputsCaptured as captured:
@@ -297,7 +298,7 @@ class _PipelineStrategy(HaiParallelStrategy):
             f"call it once (out = self(x) with forward calling self.{self.module_name})"
         )
 
-    def _publish(self, recorder: _LogRecorder, loss: torch.Tensor | None) -> torch.Tensor:
+    def _publish(self, recorder: LogRecorder, loss: torch.Tensor | None) -> torch.Tensor:
         """Broadcasts the last stage's loss and logs over the pipeline and logs them on every stage."""
         payload = [{"loss": None if loss is None else float(loss), "logs": recorder.summary()}]
         if self.stages_per_pipeline > 1:
@@ -441,43 +442,6 @@ class Interleaved1F1BStrategy(_PipelineStrategy):
         return Interleaved1F1B(stages, self.chunks, self._pp_group)
 
 
-class _LogRecorder:
-    """Collects a step's ``self.log`` calls per microbatch, to log them once, averaged, on every stage."""
-
-    def __init__(self, weights: Sequence[float] | None = None) -> None:
-        self.weights = weights  # per microbatch (uneven splits); None: all equal
-        self.calls: dict[str, tuple[list[tuple[float, Any]], dict[str, Any]]] = {}
-        self.module: nn.Module | None = None
-
-    @contextlib.contextmanager
-    def recording(self, module: pl.LightningModule, microbatch: int) -> Generator[None, None, None]:
-        self.module = module
-
-        def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            if args:
-                raise TypeError("pipeline strategies need self.log's options as keywords (self.log(name, value, k=v))")
-            values, _ = self.calls.setdefault(name, ([], kwargs))
-            values.append((1.0 if self.weights is None else self.weights[microbatch], value))
-
-        with _patched(module, "log", record):
-            yield
-
-    def summary(self) -> list[tuple[str, str, Any, dict[str, Any]]]:
-        """``(name, "metric", attribute path, kwargs)`` or ``(name, "value", mean as float, kwargs)``."""
-        out = []
-        for name, (values, kwargs) in self.calls.items():
-            first = values[0][1]
-            if isinstance(first, nn.Module):
-                path = next((p for p, m in self.module.named_modules() if m is first), None)
-                if path is None:
-                    raise ValueError(f"self.log({name!r}, metric): the metric must be an attribute of the module")
-                out.append((name, "metric", path, kwargs))
-            else:
-                total = sum(w * float(torch.as_tensor(v).detach().float().mean()) for w, v in values)
-                out.append((name, "value", total / sum(w for w, _ in values), kwargs))
-        return out
-
-
 def _loss_of(result: Any) -> torch.Tensor:
     loss = result.get("loss") if isinstance(result, Mapping) else result
     if not torch.is_tensor(loss):
@@ -507,19 +471,6 @@ def _offload_context(trainer: pl.Trainer) -> Callable[[], contextlib.AbstractCon
 
 def _stage_path(filepath: str | os.PathLike, stage: int) -> str:
     return f"{os.fspath(filepath)}.stage{stage}"
-
-
-@contextlib.contextmanager
-def _patched(obj: Any, name: str, value: Any) -> Generator[None, None, None]:
-    obj.__dict__[name] = value
-    try:
-        yield
-    finally:
-        obj.__dict__.pop(name, None)
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def _skip_zero_grad(*args: Any, **kwargs: Any) -> None:
