@@ -240,8 +240,7 @@ class _PipelineStrategy(HaiParallelStrategy):
         parts = split_batch(batch, self.chunks, even=False)
         if rows is None or rows % self.chunks == 0:
             return parts, None
-        base, extra = divmod(rows, self.chunks)  # tensor_split: the first `extra` microbatches have one more row
-        return parts, [(base + (m < extra)) * self.chunks / rows for m in range(self.chunks)]
+        return parts, [batch_rows(part) * self.chunks / rows for part in parts]
 
     def _split_inputs(self, inputs: tuple[Any, ...], batches: list[Any], uneven: bool) -> list[tuple[Any, ...]]:
         """The network's inputs per microbatch; for an uneven batch, row for row with the batch's microbatches."""
