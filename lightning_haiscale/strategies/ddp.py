@@ -58,6 +58,13 @@ class HaiDDPStrategy(DDPStrategy):
         return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), **self._hai_kwargs)
 
     @override
+    def configure_ddp(self) -> None:
+        """Wraps the module. Lightning's version then registers torch DDP's communication hooks, asserting
+        on CUDA that the model is torch's ``DistributedDataParallel``: hai_ddp refuses those hooks at
+        construction (its engine is not torch's reducer), so there is nothing to register."""
+        self.model = self._setup_model(self.model)
+
+    @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         if isinstance(self.model, DistributedDataParallel):

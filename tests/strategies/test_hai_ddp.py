@@ -218,3 +218,23 @@ def test_torch_ddp_options_are_refused_not_ignored(option: dict[str, Any]) -> No
     with pytest.raises(TypeError, match=rf"does not take \['{next(iter(option))}'\].*bucket_cap_mb"):
         HaiDDPStrategy(**option)
     HaiDDPStrategy(bucket_cap_mb=10, timeout=timedelta(seconds=30), start_method="spawn")  # Lightning's own: fine
+
+
+def test_configure_ddp_on_a_cuda_root_device_wraps_without_torch_comm_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's configure_ddp asserts on CUDA that the model is torch's DDP (to register comm hooks):
+    reached on CPU by giving the strategy a cuda:0 device and a stand-in for the engine-backed wrapper."""
+    wrapped: list[dict[str, Any]] = []
+
+    class _Wrapper(nn.Module):
+        def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+            super().__init__()
+            self.module = module
+            wrapped.append(kwargs)
+
+    monkeypatch.setattr("lightning_haiscale.strategies.ddp.DistributedDataParallel", _Wrapper)
+    strategy = HaiDDPStrategy(parallel_devices=[torch.device("cuda", 0)], bucket_cap_mb=5)
+    module = BoringModel()
+    strategy.model = module
+    strategy.configure_ddp()
+    assert isinstance(strategy.model, _Wrapper) and strategy.model.module is module
+    assert wrapped == [{"device_ids": [0], "bucket_cap_mb": 5, "find_unused_parameters": False, "broadcast_buffers": True}]
