@@ -237,4 +237,6 @@ def test_configure_ddp_on_a_cuda_root_device_wraps_without_torch_comm_hooks(monk
     strategy.model = module
     strategy.configure_ddp()
     assert isinstance(strategy.model, _Wrapper) and strategy.model.module is module
-    assert wrapped == [{"device_ids": [0], "bucket_cap_mb": 5, "find_unused_parameters": False, "broadcast_buffers": True}]
+    assert wrapped == [
+        {"device_ids": [0], "bucket_cap_mb": 5, "find_unused_parameters": False, "broadcast_buffers": True}
+    ]
