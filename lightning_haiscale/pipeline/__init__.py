@@ -4,7 +4,7 @@
 dp_group, pp_group = make_subgroups(pp_size=4)
 stage = partition(seq, pp_group.rank(), pp_group.size())
 model = PipeDream(stage, chunks=8, process_group=pp_group)
-losses, _ = model.forward_backward(x, criterion=F.cross_entropy, labels=(y,))
+losses, _ = model.forward_backward(x, criterion=lambda out, y: F.cross_entropy(out, y) / 8, labels=(y,))
 ```
 """
 

@@ -54,6 +54,13 @@ class Pipeline(nn.Module):
     Every rank of ``process_group`` builds its pipeline with the same ``chunks`` and calls the same
     methods in the same order. ``forward_context``, when set, is entered around every training
     microbatch's forward (CPU activation offload brackets them this way).
+
+    [Note: no hidden loss scaling] haiscale's ``forward_backward`` backpropagates each microbatch's
+    ``criterion(*outputs, *labels)`` unscaled, and its published GPT-2 scripts rely on it: the pipeline script
+    builds ``GPTLoss(chunks)`` (each microbatch's mean divided by ``chunks``), the DDP-only one ``GPTLoss()``,
+    with the same learning rate and global batch. Scaling here too would give a ported script ``1/chunks`` of
+    its gradients (a ``chunks``-times smaller SGD step; clipping and Adam's ``eps`` at the wrong scale). The
+    Lightning strategies own their loss and pass their own ``loss_scale`` to ``run_microbatches``.
     """
 
     order: ClassVar[Order]
@@ -134,12 +141,14 @@ class Pipeline(nn.Module):
         labels: Sequence[Any] = (),
         return_outputs: bool = False,
     ) -> tuple[torch.Tensor | None, Any]:
-        """Forward and backward of one batch, split along dim 0 into ``chunks`` microbatches.
+        """Forward and backward of one batch, split along dim 0 into ``chunks`` microbatches (haiscale's API).
 
-        ``criterion(*outputs, *labels)`` gives each microbatch's loss; gradients are those of the mean of the
-        microbatch losses (the full batch's mean loss for a mean-reduced criterion). Returns
-        ``(losses, outputs)`` on the last stage (``losses`` of shape ``(chunks,)``; ``outputs`` joined along
-        dim 0 when ``return_outputs``), ``(None, None)`` elsewhere.
+        ``criterion(*outputs, *labels)`` gives each microbatch's loss, which is backpropagated as it is: the
+        step's gradient is the SUM over microbatches, as in haiscale (see [Note: no hidden loss scaling]).
+        For the gradient of the batch's mean loss, divide by ``chunks`` in the criterion, as haiscale's GPT-2
+        scripts do (``GPTLoss(chunks)``). Returns ``(losses, outputs)`` on the last stage (``losses`` of shape
+        ``(chunks,)``, the criterion's values; ``outputs`` joined along dim 0 when ``return_outputs``),
+        ``(None, None)`` on every other stage.
         """
         batches = split_microbatches(inputs, self.chunks) if inputs else None
         label_batches = split_microbatches(tuple(labels), self.chunks)
@@ -147,7 +156,7 @@ class Pipeline(nn.Module):
         def loss_fn(m: int, out: Any) -> torch.Tensor:
             return criterion(*(out if isinstance(out, tuple) else (out,)), *label_batches[m])
 
-        result = self.run_microbatches(batches, loss_fn, loss_scale=1.0 / self.chunks, keep_outputs=return_outputs)
+        result = self.run_microbatches(batches, loss_fn, loss_scale=1.0, keep_outputs=return_outputs)
         if not self.is_last_stage:
             return None, None
         losses = torch.stack([result.losses[m] for m in range(self.chunks)])

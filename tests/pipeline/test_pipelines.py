@@ -71,6 +71,11 @@ def build(schedule: str, chunks: int, pp_group: dist.ProcessGroup, dp_group: dis
     return GPipe(wrap(stage), chunks, pp_group, checkpoint=policy), [stage]
 
 
+def _mean_over(chunks: int):
+    """haiscale's convention: the criterion divides by ``chunks``, so the summed gradients are the batch mean's."""
+    return lambda out, y: F.mse_loss(out, y) / chunks
+
+
 def train_and_compare(pp_size: int) -> list[str]:
     world = dist.get_world_size()
     dp_group, pp_group = make_subgroups(pp_size)
@@ -85,10 +90,11 @@ def train_and_compare(pp_size: int) -> list[str]:
                 continue
             pipe, stages = build(schedule, chunks, pp_group, dp_group if dp_size > 1 else None)
             opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+            criterion = _mean_over(chunks)
             for step in range(len(STEPS)):
                 x, y = batch(step, dp_rank, dp_size)
                 opt.zero_grad()
-                losses, _ = pipe.forward_backward(x, criterion=F.mse_loss, labels=(y,))
+                losses, _ = pipe.forward_backward(x, criterion=criterion, labels=(y,))
                 assert (losses is None) != pipe.is_last_stage
                 opt.step()
             label = f"{schedule}/{chunks}"
@@ -147,12 +153,13 @@ def _tuples_and_eval(rank: int, world: int) -> None:
     pipe = PipeDream(stage, chunks=2)
     x, y = batch(0)
     losses, outputs = pipe.forward_backward(x, criterion=F.mse_loss, labels=(y,), return_outputs=True)
-    F.mse_loss(ref(x), y).backward()
+    halves = [F.mse_loss(ref(xh), yh) for xh, yh in zip(x.chunk(2), y.chunk(2), strict=True)]
+    sum(halves).backward()  # haiscale: each microbatch's loss backpropagated as it is, no 1/chunks
     for name, p in stage.named_parameters():
         torch.testing.assert_close(p.grad, ref.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
     if rank == 1:
         torch.testing.assert_close(outputs, ref(x).detach())
-        torch.testing.assert_close(losses.mean(), F.mse_loss(ref(x), y).detach())
+        torch.testing.assert_close(losses, torch.stack(halves).detach())
     with pytest.raises(ValueError, match="chunks=2 does not divide batch size 5"):
         pipe.forward_backward(x[:5], criterion=F.mse_loss, labels=(y[:5],))
     out = pipe(x[:5])  # evaluation: uneven microbatches (3 and 2) and a new shape
