@@ -35,6 +35,8 @@ class DistributedDataParallel(nn.Module):
         bucket_cap_mb: the most MiB of gradients in one bucket.
         find_unused_parameters: allow parameters that get no gradient in some backward.
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before each forward.
+        communicator: an existing engine to use (its group and ``timeout``); default a new one over
+            ``process_group`` with the engine's default deadline.
 
     ``reducer.stop()`` stops the engine when training is over (it also stops when the wrapper is
     garbage-collected). ``state_dict()`` is the bare module's: it loads into ``module`` directly.
@@ -48,6 +50,8 @@ class DistributedDataParallel(nn.Module):
         bucket_cap_mb: float = 25,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        *,
+        communicator: Communicator | None = None,
     ) -> None:
         super().__init__()
         _check_arguments(module, device_ids, bucket_cap_mb)
@@ -56,7 +60,7 @@ class DistributedDataParallel(nn.Module):
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
-        comm = Communicator(process_group)
+        comm = communicator if communicator is not None else Communicator(process_group)
         with torch.no_grad():
             _broadcast_coalesced(comm, [*module.parameters(), *module.buffers()])
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]

@@ -4,58 +4,109 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
 
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
+from lightning_haiscale.hfreduce import Communicator
+from lightning_haiscale.strategies.arguments import check_bool, check_choice, check_number, check_timeout
 
 __all__ = ["HaiDDPStrategy"]
 
 _TORCH_DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_UNUSED_PARAMETERS = "got no gradient in this backward"
 
 
 class HaiDDPStrategy(DDPStrategy):
     """Data parallel whose gradients are averaged by the hfreduce engine while backward runs.
 
     Everything else is Lightning's ``DDPStrategy``: launchers, samplers, ``num_nodes`` (several hosts take
-    the engine's hierarchical path), checkpoints (the same format as ``"ddp"``), CPU and CUDA.
+    the engine's hierarchical path), checkpoints (the same format as ``"ddp"``), CPU and CUDA. The
+    parameters are ``DDPStrategy``'s, in its order, then hai_ddp's own; the explicit signature is what
+    LightningCLI and ``--help`` show (``DDPStrategy``'s ``**kwargs`` lead into torch DDP's options).
 
     Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
+            ``DDPStrategy`` (the Trainer sets what is not given).
+        ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period: torch DDP's communication
+            hooks and model averaging, which hai_ddp replaces: only ``None`` is accepted (they keep
+            ``DDPStrategy``'s positions).
+        process_group_backend: torch.distributed backend (default: gloo on CPU, nccl on CUDA).
+        timeout: deadline of the process group and of every wait of the hfreduce engine.
+        start_method: ``"popen"`` (Lightning's subprocess launcher), ``"spawn"``, ``"fork"``, ``"forkserver"``.
         bucket_cap_mb: the most MiB of gradients in one all-reduce.
         find_unused_parameters: allow parameters that get no gradient in some steps.
         broadcast_buffers: copy rank 0's buffers to every rank before each forward.
-        **kwargs: passed to ``DDPStrategy`` (``accelerator``, ``start_method``, ``timeout``, ...); torch DDP's
-            own options (``static_graph``, ``ddp_comm_hook``, ...) raise ``TypeError`` rather than being ignored.
+        **torch_ddp_options: torch DDP's other options (``static_graph``, ``gradient_as_bucket_view``, ...):
+            refused with ``TypeError`` rather than silently ignored.
     """
 
     strategy_name = "hai_ddp"
 
     def __init__(
         self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        ddp_comm_state: None = None,
+        ddp_comm_hook: None = None,
+        ddp_comm_wrapper: None = None,
+        model_averaging_period: None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         bucket_cap_mb: float = 25,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
-        **kwargs: Any,
+        **torch_ddp_options: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        ignored = sorted(self._ddp_kwargs) + [name for name in _TORCH_DDP_ONLY if kwargs.get(name) is not None]
+        torch_only = {
+            "ddp_comm_state": ddp_comm_state,
+            "ddp_comm_hook": ddp_comm_hook,
+            "ddp_comm_wrapper": ddp_comm_wrapper,
+            "model_averaging_period": model_averaging_period,
+        }
+        ignored = sorted(torch_ddp_options) + [name for name in _TORCH_DDP_ONLY if torch_only[name] is not None]
         if ignored:
             raise TypeError(
                 f"HaiDDPStrategy does not take {ignored}: those configure torch's DistributedDataParallel, which "
                 "hai_ddp replaces; it takes bucket_cap_mb, find_unused_parameters and broadcast_buffers"
             )
+        check_choice("start_method", start_method, _START_METHODS)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=check_timeout(timeout),
+            start_method=start_method,
+        )
         self._hai_kwargs = {
-            "bucket_cap_mb": bucket_cap_mb,
-            "find_unused_parameters": find_unused_parameters,
-            "broadcast_buffers": broadcast_buffers,
+            "bucket_cap_mb": check_number("bucket_cap_mb", bucket_cap_mb),
+            "find_unused_parameters": check_bool("find_unused_parameters", find_unused_parameters),
+            "broadcast_buffers": check_bool("broadcast_buffers", broadcast_buffers),
         }
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
-        return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), **self._hai_kwargs)
+        engine = Communicator(timeout=self._timeout) if self._timeout is not None else Communicator()
+        return DistributedDataParallel(
+            model, device_ids=self.determine_ddp_device_ids(), communicator=engine, **self._hai_kwargs
+        )
 
     @override
     def configure_ddp(self) -> None:
@@ -74,6 +125,13 @@ class HaiDDPStrategy(DDPStrategy):
             yield
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Adds Lightning's hint for unused parameters to the engine's error (which names them)."""
+        message = exception.args[0] if exception.args else None
+        if isinstance(message, str) and _UNUSED_PARAMETERS in message:
+            exception.args = (f"{message}\n{_LIGHTNING_UNUSED_HINT}", *exception.args[1:])
+
+    @override
     def teardown(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
             self.model.reducer.stop()
@@ -81,18 +139,28 @@ class HaiDDPStrategy(DDPStrategy):
         super().teardown()
 
 
+# Lightning's DDPStrategy.on_exception text for the same case, naming hai_ddp's spellings.
+_LIGHTNING_UNUSED_HINT = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+    "training_step. If this is intentional, you must enable the detection of unused parameters in DDP, either by "
+    "setting the string value `strategy='hai_ddp_find_unused_parameters_true'` or by setting the flag in the "
+    "strategy with `strategy=HaiDDPStrategy(find_unused_parameters=True)`."
+)
+
+
 def _register() -> None:
-    if "hai_ddp" not in StrategyRegistry:
-        StrategyRegistry.register(
-            "hai_ddp", HaiDDPStrategy, description="data parallel on the hfreduce shared-memory engine"
-        )
-    if "hai_ddp_spawn" not in StrategyRegistry:  # Lightning's spawn launcher: trained weights come back
-        StrategyRegistry.register(
-            "hai_ddp_spawn",
-            HaiDDPStrategy,
-            description="hai_ddp with processes started by torch.multiprocessing.spawn",
-            start_method="spawn",
-        )
+    entries = {
+        "hai_ddp": ("data parallel on the hfreduce shared-memory engine", {}),
+        "hai_ddp_find_unused_parameters_true": (
+            "hai_ddp with find_unused_parameters=True",
+            {"find_unused_parameters": True},
+        ),
+        # Lightning's spawn launcher: trained weights come back to the launching process.
+        "hai_ddp_spawn": ("hai_ddp with processes started by torch.multiprocessing.spawn", {"start_method": "spawn"}),
+    }
+    for name, (description, init_params) in entries.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, HaiDDPStrategy, description=description, **init_params)
 
 
 _register()

@@ -7,6 +7,8 @@ parameter's norm; a resumed run's losses and weights equal the uninterrupted run
 from __future__ import annotations
 
 import copy
+import inspect
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,10 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
@@ -232,11 +236,97 @@ def test_configure_ddp_on_a_cuda_root_device_wraps_without_torch_comm_hooks(monk
             wrapped.append(kwargs)
 
     monkeypatch.setattr("lightning_haiscale.strategies.ddp.DistributedDataParallel", _Wrapper)
+    engine = object()
+    monkeypatch.setattr("lightning_haiscale.strategies.ddp.Communicator", lambda **kwargs: engine)
     strategy = HaiDDPStrategy(parallel_devices=[torch.device("cuda", 0)], bucket_cap_mb=5)
     module = BoringModel()
     strategy.model = module
     strategy.configure_ddp()
     assert isinstance(strategy.model, _Wrapper) and strategy.model.module is module
     assert wrapped == [
-        {"device_ids": [0], "bucket_cap_mb": 5, "find_unused_parameters": False, "broadcast_buffers": True}
+        {
+            "device_ids": [0],
+            "communicator": engine,
+            "bucket_cap_mb": 5,
+            "find_unused_parameters": False,
+            "broadcast_buffers": True,
+        }
+    ]
+
+
+def test_takes_ddp_strategy_parameters_in_the_same_positions() -> None:
+    """``Trainer(strategy=DDPStrategy(MyAccelerator()))`` is Lightning's documented pattern: so is ours."""
+    theirs = [p for p in inspect.signature(DDPStrategy).parameters.values() if p.kind != p.VAR_KEYWORD]
+    ours = list(inspect.signature(HaiDDPStrategy).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [(p.name, p.kind, p.default) for p in theirs]
+    accelerator = CPUAccelerator()
+    strategy = HaiDDPStrategy(accelerator)
+    assert strategy.accelerator is accelerator
+    trainer = L.Trainer(strategy=strategy, devices=2, logger=False)
+    assert trainer.accelerator is accelerator
+
+
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [
+        ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be positive"),
+        ({"bucket_cap_mb": "big"}, r"bucket_cap_mb='big' \(str\) must be a number"),
+        ({"find_unused_parameters": "yes"}, r"find_unused_parameters='yes' \(str\) must be True or False"),
+        ({"broadcast_buffers": 1}, r"broadcast_buffers=1 \(int\) must be True or False"),
+        ({"timeout": 30}, r"timeout=30 \(int\) must be a datetime.timedelta"),
+        ({"timeout": timedelta(0)}, r"timeout=0:00:00 must be positive"),
+        ({"start_method": "thread"}, r"start_method='thread' must be one of 'popen', 'spawn'"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(option: dict[str, Any], match: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=match):
+        HaiDDPStrategy(**option)
+
+
+def _stalled_rank(rank: int, world: int) -> tuple[str, float]:
+    """Rank 1 stalls in its first training step; rank 0 waits for it in the backward's all-reduce."""
+
+    class Stalling(BoringModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if rank == 1:
+                time.sleep(6)
+            return super().training_step(batch, batch_idx)
+
+    strategy = HaiDDPStrategy(timeout=timedelta(seconds=2))
+    trainer = L.Trainer(strategy=strategy, **{**_BORING, "devices": world, "max_steps": 1})
+    start = time.monotonic()
+    try:
+        trainer.fit(Stalling())
+    except Exception as error:  # rank 1 fails too, later, on whatever rank 0 left behind
+        return type(error).__name__, time.monotonic() - start
+    return "finished", time.monotonic() - start
+
+
+def test_timeout_reaches_the_engine() -> None:
+    """Was: the engine kept its 5-minute default whatever ``timeout`` said."""
+    error, elapsed = run_distributed(_stalled_rank, 2, timeout=90)[0]
+    assert error == "HFReduceTimeoutError"
+    assert elapsed < 6
+
+
+class _Unused(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(2, 2)
+
+
+def _unused_parameters_error(rank: int, world: int) -> str:
+    trainer = L.Trainer(strategy="hai_ddp", **{**_BORING, "devices": world, "max_steps": 1})
+    with pytest.raises(RuntimeError) as info:
+        trainer.fit(_Unused())
+    return str(info.value)
+
+
+def test_unused_parameters_error_names_them_and_carries_lightnings_hint() -> None:
+    message = run_distributed(_unused_parameters_error, 1)[0]
+    assert "['unused.weight', 'unused.bias']" in message and "find_unused_parameters=True" in message
+    assert "It looks like your LightningModule has parameters that were not used in producing the loss" in message
+    assert "strategy='hai_ddp_find_unused_parameters_true'" in message
+    assert L.Trainer(strategy="hai_ddp_find_unused_parameters_true", logger=False).strategy._hai_kwargs[
+        "find_unused_parameters"
     ]
