@@ -7,6 +7,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after wrapping: se
 """
 
 from lightning_haiscale.fsdp.api import BackwardPrefetch, MixedPrecision, StateDictType
+from lightning_haiscale.fsdp.arrival import CollectiveMisuseError
 from lightning_haiscale.fsdp.fully_sharded import FullyShardedDataParallel
 from lightning_haiscale.fsdp.optim_state import (
     full_optim_state_dict,
@@ -24,6 +25,7 @@ from lightning_haiscale.fsdp.state_dict import (
 
 __all__ = [
     "BackwardPrefetch",
+    "CollectiveMisuseError",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "ShardState",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 
 from lightning_haiscale.clip_grad import clip_grad_norm_
 from lightning_haiscale.fsdp.api import BackwardPrefetch, MixedPrecision, StateDictType
+from lightning_haiscale.fsdp.arrival import ArrivalCheck
 from lightning_haiscale.fsdp.deferred_init import materialize_unit
 from lightning_haiscale.fsdp.param_group import FSDPParamGroup, ShardState
 from lightning_haiscale.fsdp.state_dict import (
@@ -33,6 +35,7 @@ from lightning_haiscale.fsdp.state_dict import (
     load_full_state_dict,
     load_sharded_state_dict,
     sharded_state_dict,
+    summoned_state_dict,
 )
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy, assign_params, unit_modules, unit_scopes
 from lightning_haiscale.hfreduce import Communicator
@@ -58,6 +61,9 @@ class FullyShardedDataParallel(nn.Module):
         param_init_fn: ``fn(module)`` initializing a module's meta-device parameters in place;
             default ``module.reset_parameters()``.
         communicator: an existing engine to share (its group is used).
+        arrival_timeout: how long a collective call (``state_dict()`` outside ``summon_full_params``,
+            ``summon_full_params()``) waits for every rank to make it before raising
+            :class:`~lightning_haiscale.fsdp.arrival.CollectiveMisuseError` (see [Note: why an arrival check]).
     """
 
     def __init__(
@@ -72,6 +78,7 @@ class FullyShardedDataParallel(nn.Module):
         *,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         communicator: Communicator | None = None,
+        arrival_timeout: timedelta = timedelta(seconds=30),
     ) -> None:
         super().__init__()
         _check_args(module, backward_prefetch, mixed_precision)
@@ -95,6 +102,8 @@ class FullyShardedDataParallel(nn.Module):
         self._pre_backward_done: set[int] = set()
         self._callback_queued = False
         self._state_dict_type = StateDictType.FULL
+        self._holds_full: bool | None = None  # inside summon_full_params: whether this rank holds them
+        self._arrival = ArrivalCheck(self.comm.group, arrival_timeout)
 
     # ------------------------------------------------------------------------ construction
 
@@ -230,6 +239,9 @@ class FullyShardedDataParallel(nn.Module):
     def summon_full_params(self, writeback: bool = True, rank0_only: bool = False) -> Iterator[None]:
         """Inside, the wrapped module holds its whole parameters (on rank 0 only with ``rank0_only``).
 
+        Entering is collective (every rank, between steps); inside, ``state_dict()`` is local: haiscale's
+        ``with model.summon_full_params(): if rank == 0: torch.save(model.state_dict(), path)`` works.
+
         Args:
             writeback: copy changes made inside back into the shards on exit.
             rank0_only: only rank 0 keeps the whole parameters (then ``writeback`` must be False).
@@ -240,7 +252,11 @@ class FullyShardedDataParallel(nn.Module):
             )
         if any(g.state is not ShardState.SHARDED for g in self._groups.values()):
             raise RuntimeError("summon_full_params() cannot run inside forward or backward; call it between steps")
+        if self._holds_full is not None:
+            raise RuntimeError("summon_full_params() is already active on this model; do not nest it")
+        self._arrival("summon_full_params()")
         summoned: list[tuple[FSDPParamGroup, torch.Tensor]] = []
+        self._holds_full = not rank0_only or self.comm.rank == 0
         try:
             for group in self._groups.values():
                 full = group.gather_full()
@@ -255,6 +271,7 @@ class FullyShardedDataParallel(nn.Module):
                     summoned.append((group, full))
             yield
         finally:
+            self._holds_full = None
             for group, full in summoned:
                 if writeback:
                     group.write_back(full)
@@ -274,8 +291,19 @@ class FullyShardedDataParallel(nn.Module):
             self._state_dict_type = previous
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """Full (rank 0, CPU; empty elsewhere) or sharded, per :meth:`state_dict_type`. Collective."""
-        return full_state_dict(self) if self._state_dict_type is StateDictType.FULL else sharded_state_dict(self)
+        """Full (bare-module keys, CPU) or sharded, per :meth:`state_dict_type`.
+
+        Full: inside :meth:`summon_full_params` it is local (no communication) and whole on every rank that
+        holds the parameters (rank 0 only with ``rank0_only=True``; ``{}`` elsewhere); outside, it is
+        collective (call it on every rank; a call on a subset raises, see [Note: why an arrival check]) and
+        whole on rank 0, ``{}`` elsewhere. Sharded: this rank's pieces, local.
+        """
+        if self._state_dict_type is not StateDictType.FULL:
+            return sharded_state_dict(self)
+        if self._holds_full is not None:
+            return summoned_state_dict(self.module) if self._holds_full else {}
+        self._arrival("state_dict()", " outside summon_full_params")
+        return full_state_dict(self)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Loads a full state dict (on every rank) or this world's sharded ones, per :meth:`state_dict_type`."""

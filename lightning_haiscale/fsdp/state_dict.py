@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from lightning_haiscale.fsdp.fully_sharded import FullyShardedDataParallel
@@ -25,6 +26,7 @@ __all__ = [
     "load_full_state_dict",
     "load_sharded_state_dict",
     "sharded_state_dict",
+    "summoned_state_dict",
 ]
 
 SHARDED_FORMAT = "lightning_haiscale.fsdp.sharded/1"
@@ -53,6 +55,18 @@ def full_state_dict(model: FullyShardedDataParallel, rank0_only: bool = True) ->
     buffers = dict(model.module.named_buffers(remove_duplicate=False))
     values.update((k, _to_cpu(buffers[k])) for k in model._state_dict_keys if k in buffers)
     return {k: values[k] for k in model._state_dict_keys if k in values}
+
+
+def summoned_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` copied to the CPU, for a module holding its whole parameters (inside
+    ``summon_full_params``). No collectives; a tensor shared by several keys stays shared."""
+    copies: dict[int, torch.Tensor] = {}
+    result = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if id(value) not in copies:
+            copies[id(value)] = _to_cpu(value)
+        result[key] = copies[id(value)]
+    return result
 
 
 def load_full_state_dict(
