@@ -60,6 +60,7 @@ class StepConfig:
     training: bool
     loss_fn: LossFn | None = None
     loss_scale: float = 1.0
+    grad_scaler: torch.amp.GradScaler | None = None
     keep_outputs: bool = False
     sync_grads: bool = True
     header_every_microbatch: bool = False
@@ -86,7 +87,8 @@ def run_actions(
     """Runs this rank's ``actions`` on its stage ``modules`` (one per model chunk) and returns its results.
 
     ``inputs[m]`` is microbatch ``m``'s input tuple (first stage only). On the last stage
-    ``config.loss_fn(m, output)`` gives microbatch ``m``'s loss; its backward is scaled by ``loss_scale``.
+    ``config.loss_fn(m, output)`` gives microbatch ``m``'s loss; its backward is scaled by ``loss_scale``
+    and then by ``grad_scaler`` (fp16 loss scaling), when there is one.
     On failure the schedule's grid is logged with the failing action.
     """
     step = _Step(modules, inputs, config, actions)
@@ -187,7 +189,7 @@ class _Step:
         final = self.last_backward[stage] == self.position and self.cfg.sync_grads
         with contextlib.nullcontext() if final or not hasattr(module, "no_sync") else module.no_sync():
             if stage == self.cfg.num_stages - 1:
-                torch.autograd.backward(out * self.cfg.loss_scale)
+                torch.autograd.backward(self._scaled(out))
             else:
                 grads = self._take_gradients(stage, m)
                 needing = [o for o in out if o.requires_grad]
@@ -197,6 +199,10 @@ class _Step:
             self.outbox[(stage, m)] = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if _needs_grad(t)
             ]
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        loss = loss * self.cfg.loss_scale
+        return loss if self.cfg.grad_scaler is None else self.cfg.grad_scaler.scale(loss)
 
     def _live(self, stage: int) -> int:
         return sum(1 for s, _ in self.saved if s == stage)

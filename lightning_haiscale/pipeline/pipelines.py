@@ -140,6 +140,7 @@ class Pipeline(nn.Module):
         criterion: Callable[..., torch.Tensor],
         labels: Sequence[Any] = (),
         return_outputs: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> tuple[torch.Tensor | None, Any]:
         """Forward and backward of one batch, split along dim 0 into ``chunks`` microbatches (haiscale's API).
 
@@ -148,7 +149,10 @@ class Pipeline(nn.Module):
         For the gradient of the batch's mean loss, divide by ``chunks`` in the criterion, as haiscale's GPT-2
         scripts do (``GPTLoss(chunks)``). Returns ``(losses, outputs)`` on the last stage (``losses`` of shape
         ``(chunks,)``, the criterion's values; ``outputs`` joined along dim 0 when ``return_outputs``),
-        ``(None, None)`` on every other stage.
+        ``(None, None)`` on every other stage. With fp16 autocast, pass ``grad_scaler``: each microbatch's
+        backward starts from ``grad_scaler.scale(loss)`` (the returned losses are unscaled), then step with
+        ``grad_scaler.step(optimizer)`` as usual; the scaler must agree on inf/NaN over every stage (torch's
+        ``ShardedGradScaler`` does, over the world).
         """
         batches = split_microbatches(inputs, self.chunks) if inputs else None
         label_batches = split_microbatches(tuple(labels), self.chunks)
@@ -156,7 +160,9 @@ class Pipeline(nn.Module):
         def loss_fn(m: int, out: Any) -> torch.Tensor:
             return criterion(*(out if isinstance(out, tuple) else (out,)), *label_batches[m])
 
-        result = self.run_microbatches(batches, loss_fn, loss_scale=1.0, keep_outputs=return_outputs)
+        result = self.run_microbatches(
+            batches, loss_fn, loss_scale=1.0, keep_outputs=return_outputs, grad_scaler=grad_scaler
+        )
         if not self.is_last_stage:
             return None, None
         losses = torch.stack([result.losses[m] for m in range(self.chunks)])
@@ -170,17 +176,19 @@ class Pipeline(nn.Module):
         loss_scale: float,
         keep_outputs: bool = False,
         uneven: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> StepResult:
         """One training step over already-split ``microbatches`` (first stage) with a custom ``loss_fn``.
 
         ``loss_fn(m, output)`` runs on the last stage; the backward of microbatch ``m`` starts from
-        ``loss_fn(m, output) * loss_scale``. ``uneven``: the microbatches' shapes differ within the step, so
-        each carries its shape header (every rank passes the same value). The Lightning strategies use this
-        entry point.
+        ``loss_fn(m, output) * loss_scale``, scaled by ``grad_scaler`` when given. ``uneven``: the microbatches'
+        shapes differ within the step, so each carries its shape header (every rank passes the same value). The
+        Lightning strategies use this entry point.
         """
         config = self._config(
             self.chunks, training=True, loss_fn=loss_fn, loss_scale=loss_scale, keep=keep_outputs, uneven=uneven
         )
+        config.grad_scaler = grad_scaler
         result = self._run(self.schedule(self.chunks), microbatches, config)
         self.peak_live = result.peak_live
         return result

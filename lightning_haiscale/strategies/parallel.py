@@ -26,11 +26,12 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.distributed.constants import default_pg_timeout
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
 __all__ = ["HaiParallelStrategy"]
@@ -121,9 +122,35 @@ class HaiParallelStrategy(ParallelStrategy):
     @override
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
+        self._agree_on_inf()
         # Trainer(gradient_clip_val=) clips through the precision plugin with torch's clip_grad_norm_, which
         # would see only this rank's part of the model: route it to the norm over every part.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _agree_on_inf(self) -> None:
+        """16-mixed: makes the loss scaler decide to skip a step on every rank alike.
+
+        [Note: fp16 on a split model] ``GradScaler`` skips the optimizer step when it finds an inf/NaN in
+        the gradients it unscales. Each rank here holds only a part of the gradients (a shard, a stage), so
+        with a plain scaler one rank would skip while the others step, and the replicas would silently
+        diverge. torch's ``ShardedGradScaler`` (what Lightning's FSDP precision uses) all-reduces the found-inf
+        flag over the world before stepping; the plain scaler is replaced by one with the same settings and
+        state, so a checkpoint's scaler state still loads. A custom scaler class cannot be converted safely.
+        """
+        plugin = self.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        if not isinstance(plugin, MixedPrecision) or scaler is None or isinstance(scaler, ShardedGradScaler):
+            return
+        if type(scaler) not in (torch.amp.GradScaler, torch.cuda.amp.GradScaler):
+            raise TypeError(
+                f"{type(self).__name__} splits the model across ranks, so the fp16 loss scaler must agree on inf/NaN "
+                f"over all of them; got {type(scaler).__name__}: pass MixedPrecision(..., scaler=torch.distributed."
+                "fsdp.sharded_grad_scaler.ShardedGradScaler(...)) instead"
+            )
+        agreed = ShardedGradScaler(plugin.device, enabled=scaler.is_enabled(), process_group=None)
+        if scaler.is_enabled():
+            agreed.load_state_dict(scaler.state_dict())
+        plugin.scaler = agreed
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         self.clip_grad_norm_(clip_val)

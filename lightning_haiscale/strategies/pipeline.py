@@ -223,7 +223,10 @@ class _PipelineStrategy(HaiParallelStrategy):
             inputs = self._capture(module.training_step, args, kwargs)
             microbatches = None if inputs is None else self._split_inputs(inputs, batches, weights is not None)
             scale, uneven = 1.0 / (self.chunks * accumulate), weights is not None
-            result = self._pipeline.run_microbatches(microbatches, loss_fn, loss_scale=scale, uneven=uneven)
+            scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: see _agree_on_inf
+            result = self._pipeline.run_microbatches(
+                microbatches, loss_fn, loss_scale=scale, uneven=uneven, grad_scaler=scaler
+            )
         loss = torch.stack([result.losses[m] for m in range(self.chunks)]).mean() if result.losses else None
         return self._publish(recorder, loss)
 
