@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,7 +39,10 @@ class DistributedDataParallel(nn.Module):
             ``process_group`` with the engine's default deadline.
 
     ``reducer.stop()`` stops the engine when training is over (it also stops when the wrapper is
-    garbage-collected). ``state_dict()`` is the bare module's: it loads into ``module`` directly.
+    garbage-collected). ``state_dict()`` and ``load_state_dict()`` are torch DDP's: keys carry the
+    ``module.`` prefix, so a checkpoint saved from either wrapper loads into the other, and
+    ``consume_prefix_in_state_dict_if_present(state, "module.")`` or ``ddp.module.state_dict()`` gives the
+    bare module's (what haiscale's scripts save: ``model.module.module.state_dict()`` for a pipeline stage).
     """
 
     def __init__(
@@ -90,14 +93,6 @@ class DistributedDataParallel(nn.Module):
         """Backwards inside this block accumulate gradients locally; the first backward after it averages."""
         with self.reducer.no_sync():
             yield
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The wrapped module's state dict (no ``module.`` prefix)."""
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Loads a state dict of the bare module (as :meth:`state_dict` returns)."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 def _check_arguments(module: nn.Module, device_ids: list[Any] | None, bucket_cap_mb: float) -> None:

@@ -152,8 +152,14 @@ class Pipeline(nn.Module):
         ``(None, None)`` on every other stage. With fp16 autocast, pass ``grad_scaler``: each microbatch's
         backward starts from ``grad_scaler.scale(loss)`` (the returned losses are unscaled), then step with
         ``grad_scaler.step(optimizer)`` as usual; the scaler must agree on inf/NaN over every stage (torch's
-        ``ShardedGradScaler`` does, over the world).
+        ``ShardedGradScaler`` does, over the world). Under ``torch.no_grad()`` it raises on every rank before
+        any communication (there is nothing to backpropagate); ``model(x)`` is the pipelined evaluation.
         """
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "forward_backward() was called with gradients disabled (torch.no_grad()); call it with "
+                "gradients enabled, or use model(*inputs) for pipelined evaluation"
+            )
         batches = split_microbatches(inputs, self.chunks) if inputs else None
         label_batches = split_microbatches(tuple(labels), self.chunks)
 
@@ -284,6 +290,11 @@ class Interleaved1F1B(Pipeline):
     """
 
     order = staticmethod(interleaved_order)
+
+    @property
+    def module(self) -> nn.ModuleList:
+        """This rank's model chunks: haiscale's scripts save ``model.module.state_dict()`` for every schedule."""
+        return self.stages
 
     def __init__(
         self,

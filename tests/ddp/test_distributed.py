@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from examples.gpt.model import GPT, config, lm_loss
 from lightning_haiscale.ddp import DistributedDataParallel
@@ -130,9 +131,12 @@ def _buffers_match_torch_ddp(rank: int, world: int) -> None:
     for a, b in zip(ours.module.buffers(), theirs.module.buffers(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     state = ours.state_dict()
+    assert list(state) == list(theirs.state_dict())  # torch DDP's keys, "module." prefix included
+    ours.load_state_dict(theirs.state_dict())  # either wrapper's checkpoint loads into the other
+    theirs.load_state_dict(state)
     bare = _bn_model()
-    bare.load_state_dict(state)  # no "module." prefix
-    assert state.keys() == bare.state_dict().keys()
+    consume_prefix_in_state_dict_if_present(state, "module.")
+    bare.load_state_dict(state)
     finalizer = ours.reducer._finalizer
     del ours, m
     gc.collect()
