@@ -23,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_haiscale.cpu_offload import CPUOffload, check_ratio
@@ -49,12 +50,24 @@ class CPUOffloadCallback(Callback):
 
     def __init__(self, offload_ratio: float, tag: str | None = None, **offload_options: Any) -> None:
         self.offload_ratio = check_ratio(offload_ratio)
+        if tag is not None and not isinstance(tag, str):
+            raise TypeError(f"tag={tag!r} must be a string naming the region, or None for one private to the callback")
         self.tag = tag if tag is not None else f"CPUOffloadCallback-{next(_PRIVATE_TAGS)}"
         self._options = offload_options
         CPUOffload(self.offload_ratio, None, **offload_options)  # rejects bad options now, not mid-fit
         self._region: CPUOffload | None = None
         self._totals_at_start = (0, 0)
         self._told_idle = False
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Says once, on rank 0, when the run will offload nothing: activations on the CPU are left alone."""
+        if trainer.strategy.root_device.type != "cuda" and not self._options.get("force_copy", False):
+            rank_zero_warn(
+                f"CPUOffloadCallback({self.offload_ratio}) will offload nothing: the run's activations are on "
+                f"{trainer.strategy.root_device.type}, not a CUDA device. Train on a GPU, or pass force_copy=True to "
+                "exercise the mechanism on the CPU (for testing: it copies and gains nothing)"
+            )
 
     def offload_context(self) -> CPUOffload:
         """A fresh context manager for one forward region (same ratio, tag and options)."""

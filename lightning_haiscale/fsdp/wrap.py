@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["AutoWrapPolicy", "ParamRef", "assign_params", "unit_modules", "unit_scopes"]
+__all__ = ["AutoWrapPolicy", "ParamRef", "assign_params", "check_policy", "unit_modules", "unit_scopes"]
 
 AutoWrapPolicy = Callable[..., bool] | Iterable[type[nn.Module]]
 """A torch policy (``size_based_auto_wrap_policy``, ``ModuleWrapPolicy``, a ``transformer_auto_wrap_policy``
@@ -36,10 +36,16 @@ class ParamRef:
     holders: list[tuple[nn.Module, str]]
 
 
+def check_policy(policy: AutoWrapPolicy | None) -> None:
+    """``TypeError`` naming ``auto_wrap_policy`` unless it is ``None``, a callable policy or module classes."""
+    if policy is not None:
+        _as_callable(policy)
+
+
 def _as_callable(policy: AutoWrapPolicy) -> Callable[..., bool]:
     if callable(policy):
         return policy
-    classes = tuple(policy)
+    classes = tuple(policy) if isinstance(policy, Iterable) and not isinstance(policy, str | bytes) else ()
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         raise TypeError(
             "auto_wrap_policy must be a torch wrap policy (size_based_auto_wrap_policy, ModuleWrapPolicy, "

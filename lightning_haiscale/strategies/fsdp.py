@@ -37,8 +37,9 @@ from lightning_haiscale.fsdp import (
     sharded_optim_state_dict,
     sharded_state_dict,
 )
-from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
+from lightning_haiscale.fsdp.wrap import AutoWrapPolicy, check_policy
 from lightning_haiscale.hfreduce import Communicator
+from lightning_haiscale.strategies.arguments import check_bool, check_choice
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy
 
 __all__ = ["HaiFSDPStrategy"]
@@ -77,8 +78,7 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         **kwargs: Any,
     ) -> None:
-        if state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"state_dict_type={state_dict_type!r} must be 'full' or 'sharded'")
+        _check_arguments(auto_wrap_policy, backward_prefetch, reshard_after_forward, state_dict_type, param_init_fn)
         super().__init__(**kwargs)
         self.state_dict_type = state_dict_type
         self._fsdp_kwargs: dict[str, Any] = {
@@ -232,6 +232,20 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         self.precision_plugin.teardown()
         if self.accelerator is not None:
             self.accelerator.teardown()
+
+
+def _check_arguments(
+    auto_wrap_policy: Any, backward_prefetch: Any, reshard_after_forward: Any, state_dict_type: Any, param_init_fn: Any
+) -> None:
+    check_policy(auto_wrap_policy)
+    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+        raise TypeError(
+            f"backward_prefetch={backward_prefetch!r} must be None, BackwardPrefetch.BACKWARD_PRE or BACKWARD_POST"
+        )
+    check_bool("reshard_after_forward", reshard_after_forward)
+    check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"param_init_fn={param_init_fn!r} must be a function fn(module) or None")
 
 
 def _mmap(path: Path, weights_only: bool) -> dict[str, Any]:

@@ -34,6 +34,8 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
+from lightning_haiscale.strategies.arguments import check_timeout
+
 __all__ = ["HaiParallelStrategy"]
 
 
@@ -58,7 +60,9 @@ class HaiParallelStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        self._timeout = timeout
+        self._timeout = check_timeout(timeout) or default_pg_timeout
+        if process_group_backend is not None and not isinstance(process_group_backend, str):
+            raise TypeError(f"process_group_backend={process_group_backend!r} must be a name such as 'gloo' or 'nccl'")
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 from typing_extensions import override
 
@@ -43,6 +44,7 @@ from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups, partition
 from lightning_haiscale.pipeline.capture import InputsCaptured, StageProxy, batch_rows, split_batch
 from lightning_haiscale.pipeline.pipelines import split_microbatches
+from lightning_haiscale.strategies.arguments import check_choice, check_int
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy
 from lightning_haiscale.strategies.step_logs import LogRecorder, ignore_log, patched
 
@@ -69,6 +71,7 @@ class _PipelineStrategy(HaiParallelStrategy):
     """
 
     strategy_name: ClassVar[str]
+    interleaved: ClassVar[bool] = False  # several model chunks per rank
     brackets_activation_offload = True  # it wraps each microbatch's forward in CPUOffloadCallback's context
 
     def __init__(
@@ -83,8 +86,7 @@ class _PipelineStrategy(HaiParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if chunks < 1:
-            raise ValueError(f"chunks={chunks} must be at least 1")
+        self._check_arguments(chunks, pp_size, balance, num_model_chunks, checkpoint, module_name, example_inputs)
         self.chunks, self.pp_size, self.balance = chunks, pp_size, balance
         self.num_model_chunks, self.checkpoint, self.module_name = num_model_chunks, checkpoint, module_name
         self._example_inputs = example_inputs
@@ -93,6 +95,36 @@ class _PipelineStrategy(HaiParallelStrategy):
         self._stages: list[nn.Module] = []
         self._pipeline: Pipeline | None = None
         self._saved_layers: list[str] | None = None
+
+    def _check_arguments(
+        self,
+        chunks: Any,
+        pp_size: Any,
+        balance: Any,
+        num_model_chunks: Any,
+        checkpoint: Any,
+        module_name: Any,
+        example_inputs: Any,
+    ) -> None:
+        """Each argument's type and range, and the pairs that cannot go together, before anything starts."""
+        name = type(self).__name__
+        check_int("chunks", chunks, 1, "the number of microbatches per batch, e.g. chunks=4")
+        if pp_size is not None:
+            check_int("pp_size", pp_size, 1, "stages per pipeline, or pp_size=None for one pipeline over the world")
+        check_int("num_model_chunks", num_model_chunks, 1)
+        if num_model_chunks != 1 and not self.interleaved:
+            raise ValueError(
+                f"num_model_chunks={num_model_chunks}: {name} runs one model chunk per rank; use "
+                "Interleaved1F1BStrategy for several"
+            )
+        check_choice("checkpoint", checkpoint, ("never", "always", "except_last"))
+        if checkpoint != "never" and not isinstance(self, GPipeStrategy):
+            raise ValueError(f"checkpoint={checkpoint!r} is GPipe's activation checkpointing; use GPipeStrategy")
+        _check_balance(balance, None if pp_size is None else pp_size * num_model_chunks)
+        if module_name is not None and not isinstance(module_name, str):
+            raise TypeError(f"module_name={module_name!r} must be the name of the module's nn.Sequential attribute")
+        if example_inputs is not None and not isinstance(example_inputs, tuple):
+            raise TypeError(f"example_inputs={example_inputs!r} must be a tuple of the network's inputs, e.g. (x,)")
 
     # ----- topology ----------------------------------------------------------------------------------
 
@@ -164,19 +196,48 @@ class _PipelineStrategy(HaiParallelStrategy):
             return
         if not isinstance(network, nn.Sequential):
             raise TypeError(f"{type(module).__name__}.{name} must be an nn.Sequential, got {type(network).__name__}")
+        example_inputs = self._example_inputs
+        if self.balance == "time" and example_inputs is None:
+            example_inputs = self._first_batch_inputs(name, network)
         parts = partition(
             network,
             self.pp_rank,
             self.stages_per_pipeline,
             self.balance,
             self.num_model_chunks,
-            example_inputs=self._example_inputs,
+            example_inputs=example_inputs,
             process_group=self._pp_group,
         )
         self._stages = parts if isinstance(parts, list) else [parts]
         layers = OrderedDict(item for stage in self._stages for item in stage._modules.items())
         setattr(module, name, StageProxy(layers))
         self.module_name = name
+
+    def _first_batch_inputs(self, name: str, network: nn.Sequential) -> tuple[Any, ...]:
+        """``balance="time"`` without ``example_inputs``: the network's inputs for the first training batch,
+        found by running ``training_step`` up to the network call (as every step is captured)."""
+        module = self.lightning_module
+        trainer = module.trainer
+        if trainer.state.fn != TrainerFn.FITTING:
+            raise ValueError(
+                f"balance='time' profiles the layers on the first training batch; to {trainer.state.fn} a module "
+                "never partitioned by this strategy, pass example_inputs=(a batch's network inputs,)"
+            )
+        trainer.fit_loop.setup_data()  # the loop reuses it: the dataloader is requested once
+        if trainer.train_dataloader is None:
+            raise ValueError("balance='time' needs example_inputs=(a batch's network inputs,) or a training dataloader")
+        loader = iter(CombinedLoader(trainer.train_dataloader, "max_size_cycle"))
+        batch = next(loader)[0]
+        proxy = StageProxy(OrderedDict(network._modules.items()))
+        setattr(module, name, proxy)
+        try:
+            with proxy.capturing(), patched(module, "log", ignore_log):
+                module.training_step(batch, 0)
+        except InputsCaptured as captured:
+            return captured.inputs
+        finally:
+            setattr(module, name, network)
+        raise RuntimeError(f"training_step never called the network {name!r}, so balance='time' has nothing to time")
 
     def _wrap_stages(self, fitting: bool) -> list[nn.Module]:
         if not fitting or self.world_size == self.stages_per_pipeline:
@@ -435,6 +496,7 @@ class Interleaved1F1BStrategy(_PipelineStrategy):
     """Interleaved 1F1B with ``num_model_chunks`` chunks per rank (default 2); ``chunks`` a multiple of pp_size."""
 
     strategy_name = "hai_interleaved_1f1b"
+    interleaved = True
 
     def __init__(self, *args: Any, num_model_chunks: int = 2, **kwargs: Any) -> None:
         super().__init__(*args, num_model_chunks=num_model_chunks, **kwargs)
@@ -442,6 +504,17 @@ class Interleaved1F1BStrategy(_PipelineStrategy):
     @override
     def _build_pipeline(self, stages: list[nn.Module]) -> Pipeline:
         return Interleaved1F1B(stages, self.chunks, self._pp_group)
+
+
+def _check_balance(balance: Any, parts: int | None) -> None:
+    if balance is None or balance == "time":
+        return
+    if isinstance(balance, str) or not isinstance(balance, Sequence):
+        raise ValueError(f"balance={balance!r} must be None, 'time' or a list of layer counts per stage")
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in balance):
+        raise ValueError(f"balance={list(balance)} must hold positive integer layer counts")
+    if parts is not None and len(balance) != parts:
+        raise ValueError(f"balance={list(balance)} must have pp_size x num_model_chunks = {parts} layer counts")
 
 
 def _loss_of(result: Any) -> torch.Tensor:

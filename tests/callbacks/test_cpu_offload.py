@@ -6,6 +6,8 @@ parameters must be bitwise equal.
 
 from __future__ import annotations
 
+import warnings
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -167,3 +169,18 @@ def _ddp_worker(rank: int, world_size: int, strategy: str) -> bool:
 @pytest.mark.parametrize("strategy", ["hai_ddp", "hai_fsdp", "ddp"])
 def test_under_data_parallel_strategies_on_two_processes(strategy):
     assert run_distributed(_ddp_worker, 2, strategy) == [True, True]
+
+
+def test_bad_tag_raises_at_construction():
+    with pytest.raises(TypeError, match=r"tag=3 must be a string"):
+        CPUOffloadCallback(0.5, tag=3)
+
+
+def test_warns_once_when_it_will_offload_nothing():
+    """Was: an INFO line nobody saw; on the CPU without force_copy the callback does nothing."""
+    with pytest.warns(UserWarning, match=r"CPUOffloadCallback\(0.3\) will offload nothing.*force_copy=True") as seen:
+        _fit(GPTModule(), [CPUOffloadCallback(0.3)], max_steps=2)
+    assert sum("will offload nothing" in str(w.message) for w in seen) == 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*will offload nothing")
+        _fit(GPTModule(), [CPUOffloadCallback(0.3, force_copy=True)], max_steps=1)

@@ -52,11 +52,11 @@ class _Data(L.LightningDataModule):
 
 
 # name -> (class path, init_args given in the class_path forms, the attribute and value that prove they arrived)
-STRATEGIES: dict[str, tuple[str, dict[str, Any], tuple[str, Any]]] = {
+STRATEGIES: dict[str, tuple[str, dict[str, Any], tuple[str, Any]]] = {  # in this order the 2-process forms rotate
     "hai_ddp": ("lightning_haiscale.HaiDDPStrategy", {"bucket_cap_mb": 50}, ("_hai_kwargs", {"bucket_cap_mb": 50})),
+    "hai_pipedream": ("lightning_haiscale.PipeDreamStrategy", {"chunks": 2, "balance": "time"}, ("balance", "time")),
     "hai_fsdp": ("lightning_haiscale.HaiFSDPStrategy", {"state_dict_type": "sharded"}, ("state_dict_type", "sharded")),
     "hai_gpipe": ("lightning_haiscale.GPipeStrategy", {"chunks": 2}, ("chunks", 2)),
-    "hai_pipedream": ("lightning_haiscale.PipeDreamStrategy", {"chunks": 2}, ("chunks", 2)),
     "hai_interleaved_1f1b": ("lightning_haiscale.Interleaved1F1BStrategy", {"chunks": 2}, ("chunks", 2)),
 }
 FORMS = ("name", "command_line", "yaml")
