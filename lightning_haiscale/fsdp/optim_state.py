@@ -1,4 +1,5 @@
-"""Optimizer state dicts of a :class:`FullyShardedDataParallel`, keyed by parameter name.
+"""Optimizer state dicts of a :class:`FullyShardedDataParallel`, keyed by parameter name (loading also takes
+torch's own position-keyed form, see [Note: index-keyed optimizer states]).
 
 A state tensor shaped like its parameter's piece is sharded (AdamW's ``exp_avg``); any other value
 (``step``) is the same on every rank. Full: ``{"state": {fqn: {key: whole tensor or value}},
@@ -134,10 +135,41 @@ def _load(optimizer: torch.optim.Optimizer, model: FullyShardedDataParallel, sta
     optimizer.load_state_dict(torch_state)
 
 
+def _by_name(
+    optimizer: torch.optim.Optimizer, entries: dict[int, _Entry], full: Mapping[str, Any]
+) -> Mapping[str, Any]:
+    """A full optimizer state keyed as torch keys it (by position: ``optimizer.state_dict()`` under ddp or one
+    device) turned into one keyed by parameter name.
+
+    [Note: index-keyed optimizer states]
+    torch numbers the parameters of ``param_groups`` in order, group after group; the same
+    ``configure_optimizers`` over the same module lists them in the same order under hai_fsdp (the pieces
+    take their parameters' places), so position ``i`` here names the saved ``i``. Group sizes must agree.
+    """
+    if not any(isinstance(p, int) for g in full["param_groups"] for p in g["params"]):
+        return full
+    saved = [len(g["params"]) for g in full["param_groups"]]
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    if saved != mine:
+        raise ValueError(
+            f"the checkpoint's optimizer has parameter groups of sizes {saved}, this one {mine}: build it with the "
+            "same configure_optimizers as the run that saved it"
+        )
+    names: dict[int, str] = {}
+    for saved_group, group in zip(full["param_groups"], optimizer.param_groups, strict=True):
+        names.update(zip(saved_group["params"], (entries[id(p)][0] for p in group["params"]), strict=True))
+    return {
+        "state": {names[index]: values for index, values in full["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in full["param_groups"]],
+    }
+
+
 def load_full_optim_state_dict(
     model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, full: Mapping[str, Any]
 ) -> None:
-    """Loads each rank's pieces from a full optimizer state dict given on every rank. No collectives."""
+    """Loads each rank's pieces from a full optimizer state dict given on every rank: keyed by parameter name
+    (hai_fsdp's) or by position (``optimizer.state_dict()`` of ddp or one device). No collectives."""
+    full = _by_name(optimizer, _entries(model), full)
     state = {}
     for name, _, info, _ in _entries(model).values():
         values = full["state"].get(name)

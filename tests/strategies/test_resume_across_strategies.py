@@ -1,0 +1,115 @@
+"""A checkpoint written under one strategy resumes under ``hai_fsdp`` with its optimizer state.
+
+Was: a ddp, hai_ddp or single-device checkpoint failed with ``KeyError: 0`` in ``fsdp/optim_state.py``:
+torch keys optimizer states by position, hai_fsdp expected parameter names. SGD with momentum (whose
+buffers change every later step, so a lost state shows) in two parameter groups (positions run across
+groups). Each source trains 6 steps with a checkpoint at step 3; resuming at step 3 under hai_fsdp must
+give the source's own losses for steps 4-6: bit-for-bit from hai_fsdp checkpoints, to a relative 1e-5
+from the others (a different reduction order; one device sums the batch in one piece).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+import lightning_haiscale  # noqa: F401  (registers the strategies)
+from examples.gpt.model import Block
+from lightning_haiscale.strategies import HaiFSDPStrategy
+from tests.distributed import run_distributed
+from tests.fsdp.helpers import deterministic_init
+from tests.strategies.helpers import lm_dataset, quiet_fit
+from tests.strategies.test_hai_fsdp import _GPT, CFG, _Losses
+
+BATCH = 2  # sequences per rank; one device takes both ranks' rows
+
+
+class _MomentumGPT(_GPT):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        norms = [p for n, p in self.named_parameters() if ".ln" in n]
+        others = [p for n, p in self.named_parameters() if ".ln" not in n]
+        groups = [{"params": others, "weight_decay": 1e-2}, {"params": norms, "weight_decay": 0.0}]
+        return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
+
+
+def _strategy(name: str) -> Any:
+    if name.startswith("hai_fsdp"):
+        kind = "sharded" if name.endswith("sharded") else "full"
+        return HaiFSDPStrategy(auto_wrap_policy={Block}, param_init_fn=deterministic_init, state_dict_type=kind)
+    return name
+
+
+def _train(name: str, tmp: Path, world: int) -> list[float]:
+    """6 steps (two epochs of 3) under ``name``, saving at step 3 (an epoch boundary: see test_hai_ddp)."""
+    data = lm_dataset(CFG, 3 * 2 * BATCH)
+    losses = _Losses()
+    saver = ModelCheckpoint(dirpath=tmp / name, filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    torch.manual_seed(0)
+    module = _MomentumGPT(CFG)
+    batch, callbacks = BATCH * 2 // world, [losses, saver]
+    quiet_fit(module, _strategy(name), 6, data, batch, callbacks=callbacks, enable_checkpointing=True)
+    return losses.losses
+
+
+class _TwoRanksOrder(Sampler[int]):
+    """The rows that Lightning's sampler deals to 2 ranks (shuffled, seed 0), rank 0's then rank 1's per step:
+    one device sees each step's rows of the 2-process runs."""
+
+    def __init__(self, data: Any) -> None:
+        self.ranks = [DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0) for r in range(2)]
+
+    def set_epoch(self, epoch: int) -> None:
+        for sampler in self.ranks:
+            sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        rows = [list(sampler) for sampler in self.ranks]
+        for start in range(0, len(rows[0]), BATCH):
+            yield from (i for ranked in rows for i in ranked[start : start + BATCH])
+
+    def __len__(self) -> int:
+        return sum(len(sampler) for sampler in self.ranks)
+
+
+def _single_device(rank: int, world: int, tmp: str) -> list[float]:
+    data = lm_dataset(CFG, 3 * 2 * BATCH)
+    losses = _Losses()
+    saver = ModelCheckpoint(dirpath=Path(tmp, "single_device"), filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=6, logger=False, callbacks=[losses, saver], enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(_MomentumGPT(CFG), DataLoader(data, batch_size=2 * BATCH, sampler=_TwoRanksOrder(data)))
+    return losses.losses
+
+
+def _resume_under_hai_fsdp(rank: int, world: int, tmp: str, sources: list[str]) -> dict[str, tuple[list, list]]:
+    results = {}
+    for source in sources:
+        whole = _train(source, Path(tmp), world) if source != "single_device" else []  # saved by one process
+        resumed = _Losses()
+        data = lm_dataset(CFG, 3 * 2 * BATCH)
+        ckpt = Path(tmp, source, "step=3.ckpt")
+        quiet_fit(_MomentumGPT(CFG), _strategy("hai_fsdp"), 6, data, BATCH, callbacks=[resumed], ckpt_path=ckpt)
+        results[source] = (whole[3:], resumed.losses)
+    return results
+
+
+def test_checkpoints_of_every_strategy_resume_under_hai_fsdp(tmp_path: Path) -> None:
+    single = run_distributed(_single_device, 1, str(tmp_path), timeout=120)[0]
+    sources = ["ddp", "hai_ddp", "hai_fsdp", "hai_fsdp_sharded"]
+    results = run_distributed(_resume_under_hai_fsdp, 2, str(tmp_path), [*sources, "single_device"], timeout=400)[0]
+    results["single_device"] = (single[3:], results["single_device"][1])
+    for source, (expected, resumed) in results.items():
+        assert len(resumed) == 3, source
+        if source.startswith("hai_fsdp"):
+            assert resumed == expected, source  # bit-for-bit
+        else:
+            torch.testing.assert_close(resumed, expected, rtol=1e-5, atol=0, msg=source)
