@@ -9,7 +9,7 @@ TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.installed
 NATIVE := $(wildcard csrc/*.cpp csrc/*.h)
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench lint check-sdist clean
 
 install: $(STAMP)
 
@@ -18,7 +18,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml setup.py $(NATIVE)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(PIP) install -q "setuptools>=64" wheel "pybind11>=2.12"
+	$(PIP) install -q "setuptools>=77" wheel "pybind11>=2.12"
 	$(PIP) install -q --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
 
@@ -35,5 +35,9 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# sdist and wheel build; the sdist installs into a fresh environment and trains from outside the tree.
+check-sdist: $(STAMP)
+	.ci/sdist_check $(PY)
+
 clean:
-	rm -rf build *.egg-info lightning_haiscale/_C*.so $(VENV)
+	rm -rf build dist *.egg-info lightning_haiscale/_C*.so $(VENV)

@@ -1,6 +1,7 @@
 """Builds the native collective engine `lightning_haiscale._C` (C++17, pybind11, no libtorch)."""
 
 import platform
+from glob import glob
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
@@ -23,6 +24,7 @@ setup(
             "lightning_haiscale._C",
             SOURCES,
             include_dirs=["csrc"],
+            depends=sorted(glob("csrc/*.h")),  # rebuild when a header changes
             cxx_std=17,
             extra_compile_args=extra_compile_args,
             libraries=["rt"],

@@ -1,6 +1,6 @@
 """The hfreduce-style collective engine: shared-memory, SIMD, asynchronous, hierarchical across hosts."""
 
-from lightning_haiscale._C import simd_level
+from lightning_haiscale.hfreduce._native import simd_level
 from lightning_haiscale.hfreduce.communicator import Communicator, ReduceOp, Work
 from lightning_haiscale.hfreduce.errors import (
     HFReduceError,

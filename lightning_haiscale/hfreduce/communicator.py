@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_haiscale import _C
+from lightning_haiscale.hfreduce._native import load_engine
 from lightning_haiscale.hfreduce.errors import (
     HFReduceError,
     HFReducePeerError,
@@ -142,6 +142,7 @@ class Communicator:
         chunk_bytes: int = 1 << 20,
         allow_fallback: bool = False,
     ) -> None:
+        load_engine()  # without the engine: an ImportError that says how to build it, before any collective
         if not dist.is_initialized():
             raise RuntimeError("hfreduce: call torch.distributed.init_process_group() before Communicator()")
         if chunk_bytes < 4096 or chunk_bytes % 4096:
@@ -257,7 +258,9 @@ class Communicator:
         if self._native is None:
             return torch.zeros(numel, dtype=dtype)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        shared = self._create_shared(lambda name, create: _C.SharedBuffer(name, nbytes, self.local_size, create))
+        shared = self._create_shared(
+            lambda name, create: load_engine().SharedBuffer(name, nbytes, self.local_size, create)
+        )
         self.barrier()  # every local rank has mapped it
         shared.unlink()
         tensor = torch.frombuffer(shared.region(self.local_rank), dtype=torch.uint8)[:nbytes].view(dtype)
@@ -285,7 +288,7 @@ class Communicator:
             )
 
     def _open_native(self, chunk_bytes: int, allow_fallback: bool) -> Any:
-        needed = _C.Communicator.segment_bytes(self.local_size, chunk_bytes)
+        needed = load_engine().Communicator.segment_bytes(self.local_size, chunk_bytes)
         free = min(p.shm_free_bytes for p in self.topology.peers)
         if free < 2 * needed:
             message = (
@@ -300,7 +303,7 @@ class Communicator:
         spin = _SPIN_ITERS if self.local_size <= len(os.sched_getaffinity(0)) else 0
         seconds = self.timeout.total_seconds()
         native = self._create_shared(
-            lambda name, create: _C.Communicator(
+            lambda name, create: load_engine().Communicator(
                 name, self.local_rank, self.local_size, create, chunk_bytes, seconds, spin
             )
         )
