@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -30,11 +31,13 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model, already on its device.
-        device_ids: torch DDP's argument; at most one device, the one the module is on.
+        device_ids: as torch's: ``None`` for a CPU (or multi-device) module, else ``[device]``, the one CUDA
+            device the module lives on (an index or a ``torch.device``); inputs are then moved to it in forward.
         process_group: the group to average over (default: the world).
         bucket_cap_mb: the most MiB of gradients in one bucket.
         find_unused_parameters: allow parameters that get no gradient in some backward.
-        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before each forward.
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before a forward,
+            as torch does: unless the previous forward ran without gradients or inside ``no_sync()``.
         communicator: an existing engine to use (its group and ``timeout``); default a new one over
             ``process_group`` with the engine's default deadline.
 
@@ -60,6 +63,8 @@ class DistributedDataParallel(nn.Module):
         _check_arguments(module, device_ids, bucket_cap_mb)
         self.module = module
         self.device_ids = device_ids
+        self._input_device = _cuda_device(device_ids[0]) if device_ids else None
+        self._sync_buffers_next = True  # torch's require_forward_param_sync
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
@@ -81,11 +86,14 @@ class DistributedDataParallel(nn.Module):
         return self.reducer.require_backward_grad_sync
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers:
+        if self.broadcast_buffers and self._sync_buffers_next and self.reducer.comm.world_size > 1:
             buffers = list(self.module.buffers())
             if buffers:
                 with torch.no_grad():
-                    _broadcast_coalesced(self.reducer.comm, buffers)
+                    _broadcast_buffers(self.reducer.comm, buffers)
+        self._sync_buffers_next = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._input_device is not None:
+            args, kwargs = _to_device((args, kwargs), self._input_device)
         return self.module(*args, **kwargs)
 
     @contextmanager
@@ -100,11 +108,72 @@ def _check_arguments(module: nn.Module, device_ids: list[Any] | None, bucket_cap
         raise RuntimeError("DistributedDataParallel: call torch.distributed.init_process_group() first")
     if bucket_cap_mb <= 0:
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive")
-    if device_ids is not None and len(device_ids) > 1:
-        raise ValueError(f"device_ids={device_ids}: one device per process; pass device_ids=[local_rank]")
+    if device_ids is not None:
+        _check_device_ids(module, device_ids)
     sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
     if sparse:
         raise ValueError(f"modules {sparse} have sparse gradients, which hai_ddp does not support; use sparse=False")
+
+
+def _check_device_ids(module: nn.Module, device_ids: list[Any]) -> None:
+    """torch's rule: ``device_ids`` names the one CUDA device a single-device module lives on."""
+    if len(device_ids) != 1:
+        raise ValueError(f"device_ids={device_ids}: one device per process; pass device_ids=[local_rank]")
+    device = _cuda_device(device_ids[0])
+    found = {t.device for t in (*module.parameters(), *module.buffers())}
+    if found and found != {device}:
+        raise ValueError(
+            f"device_ids={device_ids} names {device}, but the module is on {sorted(map(str, found))}: move it there "
+            "first (module.to(device)), or pass device_ids=None for a CPU or multi-device module"
+        )
+
+
+def _cuda_device(device: int | str | torch.device) -> torch.device:
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"device_ids entries are CUDA device indices (or cuda:<i> devices), got {device}")
+    return device
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it (through tuples, lists and dicts) moved to ``device``."""
+    if torch.is_tensor(value):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_to_device(v, device) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _to_device(v, device)) for k, v in value.items())
+    return value
+
+
+def _broadcast_buffers(comm: Communicator, buffers: list[torch.Tensor]) -> None:
+    """Copies rank 0's buffers to every rank: one broadcast per device, whatever their dtypes.
+
+    [Note: buffer broadcast] Every buffer's bytes are packed (8-byte aligned) into one int64 tensor. CPU
+    buffers go through the engine (a few microseconds); CUDA buffers through the process group (NCCL copies
+    on the device, queued on the stream without stopping the host), not the engine's staging, which would
+    make the host wait for the GPU before every forward.
+    """
+    by_device: OrderedDict[torch.device, list[torch.Tensor]] = OrderedDict()
+    for t in buffers:
+        by_device.setdefault(t.device, []).append(t)
+    for device, group in by_device.items():
+        sizes = [t.numel() * t.element_size() for t in group]
+        padded = [-(-n // 8) * 8 for n in sizes]
+        starts = [0, *itertools.accumulate(padded)]
+        flat = torch.zeros(starts[-1], dtype=torch.uint8, device=device)
+        for t, start, n in zip(group, starts, sizes, strict=False):
+            flat[start : start + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+        words = flat.view(torch.int64)
+        if device.type == "cuda":
+            dist.broadcast(words, src=dist.get_global_rank(comm.group, 0), group=comm.group)
+        else:
+            comm.broadcast(words, src=0)
+        if comm.rank != 0:
+            for t, start, n in zip(group, starts, sizes, strict=False):
+                t.copy_(flat[start : start + n].view(t.dtype).view_as(t))
 
 
 def _broadcast_coalesced(comm: Communicator, tensors: Iterable[torch.Tensor]) -> None:

@@ -18,6 +18,18 @@ Every rank must issue the same collectives in the same order, but the order of g
 between ranks. As in torch DDP, buckets launch strictly in index order: each as soon as it and every
 bucket before it are complete. Buckets follow reverse registration order, so this rarely delays one.
 
+[Note: a gradient accumulated twice]
+A parameter used inside a reentrant activation checkpoint and outside it gets its gradient accumulated
+twice in one backward (the checkpoint's inner backward is a second pass). If its bucket was launched
+after the first accumulation, the second would be added into memory the engine is reducing (and, on
+CUDA, overwritten by the copy back). So a launched bucket's parameters get ``.grad = None``: a late
+accumulation lands in a fresh tensor, which the hook sets aside. At the end of backward, the late
+contributions of every parameter accumulated more often than expected are averaged in one more
+all-reduce (zeros where a rank's second accumulation still made it into the bucket: averaging is linear,
+so the sum is right either way) and added to the bucket views. Which parameters those are depends only
+on the graph, so every rank makes the same call. The counts seen are then expected: from the next
+backward on, such a parameter is ready only after its last accumulation, and no extra all-reduce runs.
+
 [Note: end of backward]
 The first gradient hook of a synchronized backward queues a callback on the autograd engine (torch DDP
 does the same: there is no public "backward finished" hook). The callback deals with parameters that got
@@ -79,6 +91,7 @@ class Reducer:
         self.grad_views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
         self.bucket_views: list[torch.Tensor] = []
         self._bucket_of = [0] * len(self.params)
+        self._expected = [1] * len(self.params)  # accumulations per backward (see [Note: a gradient ...])
         for b in self.buckets:
             flat = self.storage[b.key]
             self.bucket_views.append(flat[b.offset : b.offset + b.numel])
@@ -108,6 +121,8 @@ class Reducer:
         self._next_bucket = 0
         self._works: list[Work] = []
         self._callback_queued = False
+        self._count = [0] * len(self.params)
+        self._late: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------ public
 
@@ -145,30 +160,40 @@ class Reducer:
 
     def mark_ready(self, i: int) -> None:
         """Called once ``params[i]``'s gradient is accumulated; launches the buckets that became complete."""
-        self.attach_grad(i)
         if not self.require_backward_grad_sync or self.stopped:
+            self.attach_grad(i)
             return
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
-        if self._ready[i]:
-            return  # a second accumulation in the same backward (reentrant checkpointing) is in the view
+        self._count[i] += 1
+        if self._bucket_of[i] < self._next_bucket:  # launched: set this contribution aside
+            p = self.params[i]
+            self._late[i] = p.grad if i not in self._late else self._late[i] + p.grad
+            p.grad = None
+            return
+        self.attach_grad(i)
+        if self._ready[i] or self._count[i] < self._expected[i]:
+            return
         self._ready[i] = True
         self._pending[self._bucket_of[i]] -= 1
         self._launch_complete_buckets()
 
     def _launch_complete_buckets(self) -> None:
         while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
-            view = self.bucket_views[self._next_bucket]
-            self._works.append(self.comm.all_reduce(view, op="avg", async_op=True))
+            bucket = self.buckets[self._next_bucket]
+            for i in bucket.params:  # a later accumulation must not touch memory being reduced
+                self.params[i].grad = None
+            self._works.append(self.comm.all_reduce(self.bucket_views[bucket.index], op="avg", async_op=True))
             self._next_bucket += 1
 
     def _finish_backward(self) -> None:
         try:
             missing = [i for i, ready in enumerate(self._ready) if not ready]
-            if missing and not self.find_unused_parameters:
+            unused = [i for i in missing if self._count[i] == 0]
+            if unused and not self.find_unused_parameters:
                 raise RuntimeError(
-                    f"hai_ddp: parameters {[self.names[i] for i in missing[:8]]} (and {max(0, len(missing) - 8)} "
+                    f"hai_ddp: parameters {[self.names[i] for i in unused[:8]]} (and {max(0, len(unused) - 8)} "
                     "more) got no gradient in this backward. Pass find_unused_parameters=True to "
                     "DistributedDataParallel (or HaiDDPStrategy), or make every parameter take part in the loss."
                 )
@@ -182,13 +207,31 @@ class Reducer:
                 self._pending[self._bucket_of[i]] -= 1
             self._launch_complete_buckets()
             used = self._globally_used(missing, had_grad) if self.find_unused_parameters else None
+            late = self._reduce_late_contributions()
             for work in self._works:
                 work.wait()
-            for k, i in enumerate(missing):
-                if not had_grad[k] and used is not None and used[k]:
-                    self.params[i].grad = self.grad_views[i]
+            nobody_used = {i for k, i in enumerate(missing) if not had_grad[k] and used is not None and not used[k]}
+            for i, p in enumerate(self.params):
+                if i not in nobody_used:
+                    p.grad = self.grad_views[i]
+            for i, contribution in late.items():
+                self.grad_views[i].add_(contribution)
         finally:
             self._reset()
+
+    def _reduce_late_contributions(self) -> dict[int, torch.Tensor]:
+        """Averages what parameters accumulated beyond the expected count (see [Note: a gradient ...])."""
+        extra = [i for i, count in enumerate(self._count) if count > self._expected[i]]
+        for i, count in enumerate(self._count):
+            if count > 0:
+                self._expected[i] = count
+        if not extra:
+            return {}
+        parts = [self._late.get(i, torch.zeros_like(self.grad_views[i])).reshape(-1) for i in extra]
+        flat = torch.cat(parts)
+        self.comm.all_reduce(flat, op="avg")
+        pieces = flat.split([part.numel() for part in parts])
+        return {i: piece.view_as(self.grad_views[i]) for i, piece in zip(extra, pieces, strict=True)}
 
     def _globally_used(self, missing: list[int], had_grad: list[bool]) -> list[bool]:
         """Whether any rank has a gradient for each parameter (one small all-reduce, on every rank)."""

@@ -159,7 +159,7 @@ class Communicator:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hfreduce")
         self._native = self._open_native(chunk_bytes, allow_fallback)
         self._cross_group, self._cross_order = self._make_cross_groups()
-        self._copy_streams: tuple[Any, Any] | None = None  # device-to-host, host-to-device
+        self._copy_streams: dict[torch.device, tuple[Any, Any]] = {}  # device-to-host, host-to-device
         self._cuda_chunk_bytes = 4 << 20
         self._finalizer = weakref.finalize(self, _shutdown, self._executor, self._native)
 
@@ -357,9 +357,9 @@ class Communicator:
     def _threaded(self, job: Callable[..., Any], *tensors: Any) -> Work:
         cuda = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
         ready = None
-        if cuda:
+        if cuda:  # the caller's work on the tensor's device (not the current device's) must finish first
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(cuda[0].device))
         with self._pending_lock:
             self._pending += 1
         future = self._executor.submit(self._run_job, job, tensors, ready)
@@ -370,34 +370,49 @@ class Communicator:
             if ready is None:
                 job(*tensors)
                 return None
-            if self._native is None:  # torch.distributed handles device tensors itself
-                ready.wait()
-                job(*tensors)
-                return None
-            return self._run_cuda_job(job, tensors, ready)
+            device = next(t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda)
+            # [Note: CUDA device of the worker] This thread's current device is GPU 0 unless set: pinned
+            # buffers, events and streams would otherwise create a context there on every rank.
+            with torch.cuda.device(device):
+                if self._native is None:  # torch.distributed handles device tensors itself
+                    torch.cuda.current_stream(device).wait_event(ready)
+                    job(*tensors)
+                    return _wait_for(torch.cuda.current_stream(device).record_event(), device)
+                return self._run_cuda_job(job, tensors, ready, device)
         finally:
             with self._pending_lock:
                 self._pending -= 1
 
-    def _run_cuda_job(self, job: Callable[..., Any], tensors: tuple[Any, ...], ready: Any) -> Callable[[], None]:
+    def _run_cuda_job(
+        self, job: Callable[..., Any], tensors: tuple[Any, ...], ready: Any, device: torch.device
+    ) -> Callable[[], None]:
         """hfreduce on CUDA: device-to-host into pinned memory on a side stream, reduce on the CPU, copy back.
-        Returns what ``Work.wait`` runs: make the caller's stream wait for the copy back."""
-        d2h, h2d = self._cuda_streams(next(t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda).device)
+        Only what the collective reads goes to the host and only what it writes comes back (an all-gather's
+        output is never read, a reduce-scatter's input never written). Returns what ``Work.wait`` runs: make
+        the caller's stream wait for the copy back."""
+        d2h, h2d = self._cuda_streams(device)
         if job == self._all_reduce_job and self.backend == "shm":
             return self._pipelined_cuda_all_reduce(tensors[0], tensors[1], ready, d2h, h2d)
+        reads, writes = self._staged(job, tensors)
         with torch.cuda.stream(d2h):
             d2h.wait_event(ready)
-            host = tuple(_pinned_copy(t) if isinstance(t, torch.Tensor) and t.is_cuda else t for t in tensors)
+            host = tuple(_to_host(t, i in reads) if i in reads or i in writes else t for i, t in enumerate(tensors))
             d2h.synchronize()
         job(*host)
         with torch.cuda.stream(h2d):
-            for dev, h in zip(tensors, host, strict=True):
-                if isinstance(dev, torch.Tensor) and dev.is_cuda:
-                    dev.copy_(h, non_blocking=True)
-                    dev.record_stream(h2d)
-            done = torch.cuda.Event()
-            done.record(h2d)
-        return lambda: torch.cuda.current_stream().wait_event(done)
+            for i in writes:
+                tensors[i].copy_(host[i], non_blocking=True)
+                tensors[i].record_stream(h2d)
+            done = h2d.record_event()
+        return _wait_for(done, device)
+
+    def _staged(self, job: Callable[..., Any], tensors: tuple[Any, ...]) -> tuple[set[int], set[int]]:
+        """Which of a job's CUDA arguments it reads and which it writes (by position)."""
+        if job == self._reduce_scatter_job or job == self._all_gather_job:
+            return {1}, {0}  # (output, input, ...)
+        if job == self._broadcast_job:
+            return {0}, ({0} if self.rank != tensors[1] else set())
+        return {0}, {0}
 
     def _pipelined_cuda_all_reduce(
         self, tensor: torch.Tensor, divisor: float, ready: Any, d2h: Any, h2d: Any
@@ -424,12 +439,12 @@ class Communicator:
             flat.record_stream(d2h)
             flat.record_stream(h2d)
             done = h2d.record_event()
-        return lambda: torch.cuda.current_stream().wait_event(done)
+        return _wait_for(done, flat.device)
 
     def _cuda_streams(self, device: torch.device) -> tuple[Any, Any]:
-        if self._copy_streams is None:
-            self._copy_streams = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
-        return self._copy_streams
+        if device not in self._copy_streams:
+            self._copy_streams[device] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+        return self._copy_streams[device]
 
     def _finish(self, work: Work, async_op: bool) -> Work | None:
         if async_op:
@@ -560,10 +575,17 @@ def _shutdown(executor: ThreadPoolExecutor, native: Any) -> None:
         native.stop()
 
 
-def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+def _to_host(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+    """A pinned host twin of a device tensor, holding its values when ``copy`` (else uninitialised)."""
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
+    if copy:
+        host.copy_(tensor, non_blocking=True)
     return host
+
+
+def _wait_for(event: Any, device: torch.device) -> Callable[[], None]:
+    """What ``Work.wait`` runs for a CUDA collective: the caller's stream on ``device`` waits for ``event``."""
+    return lambda: torch.cuda.current_stream(device).wait_event(event)
 
 
 def _check_dtype(dtype: torch.dtype) -> None:

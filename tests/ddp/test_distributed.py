@@ -143,6 +143,71 @@ def _buffers_match_torch_ddp(rank: int, world: int) -> None:
     assert not finalizer.alive, "the engine was not stopped when the wrapper was collected"
 
 
+def _buffers_follow_torch_rules(rank: int, world: int) -> None:
+    """torch broadcasts buffers before a forward only when the previous forward had gradients and was not
+    inside no_sync(): a no-grad forward in train mode (BatchNorm updates its statistics) and a no_sync
+    microbatch leave each rank's statistics its own until the next synchronized forward. One broadcast per
+    forward for all of BatchNorm's buffers (float statistics and the int64 counter)."""
+    ours = DistributedDataParallel(_bn_model())
+    theirs = nn.parallel.DistributedDataParallel(_bn_model())
+    broadcasts = []
+    engine_broadcast = ours.reducer.comm.broadcast
+    ours.reducer.comm.broadcast = lambda *a, **k: broadcasts.append(1) or engine_broadcast(*a, **k)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    for step in range(3):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step * world + rank))
+        for m, opt in zip((ours, theirs), opts, strict=True):
+            with torch.no_grad():
+                m(x[:4] * (rank + 1))
+            with m.no_sync():
+                m(x[:4]).square().mean().backward()
+            m(x[4:]).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        for a, b in zip(ours.module.buffers(), theirs.module.buffers(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"step {step}")
+    _assert_close(ours.module, theirs.module)
+    assert len(broadcasts) == 3, f"{len(broadcasts)} buffer broadcasts in 9 forwards; torch makes 3 (one a step)"
+    ours.reducer.stop()
+
+
+def _device_ids_name_the_module_device(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match=r"device_ids=\[0\] names cuda:0, but the module is on \['cpu'\]"):
+        DistributedDataParallel(nn.Linear(2, 2), device_ids=[0])
+    with pytest.raises(ValueError, match="one device per process"):
+        DistributedDataParallel(nn.Linear(2, 2), device_ids=[0, 1])
+
+
+class _UsedTwice(nn.Module):
+    """``shared`` is used inside a reentrant checkpoint and again outside it: its gradient is accumulated
+    twice in one backward, the second time (the checkpoint's inner backward) after its bucket was launched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.shared, x, use_reentrant=True)
+        return self.head(self.shared(torch.tanh(h)))
+
+
+def _double_accumulation_matches_one_process(rank: int, world: int) -> None:
+    model = DistributedDataParallel(_UsedTwice(), bucket_cap_mb=1e-6)  # a bucket per parameter
+    ref = _UsedTwice()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+    for step in range(4):
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step)).requires_grad_()
+        model(x[rank * 4 : (rank + 1) * 4]).square().mean().backward()
+        ref(x).square().mean().backward()
+        for opt_ in (opt, ref_opt):
+            opt_.step()
+            opt_.zero_grad()
+        _assert_close(model.module, ref)
+    model.reducer.stop()
+
+
 def _run_all(rank: int, world: int, checks: list[Callable[[int, int], None]]) -> None:
     for check in checks:
         check(rank, world)
@@ -158,7 +223,15 @@ def _gpt_accumulate(rank: int, world: int) -> None:
 
 
 def test_two_processes() -> None:
-    checks = [_gpt_parity, _gpt_accumulate, _unused_parameters, _buffers_match_torch_ddp]
+    checks = [
+        _gpt_parity,
+        _gpt_accumulate,
+        _unused_parameters,
+        _buffers_match_torch_ddp,
+        _buffers_follow_torch_rules,
+        _device_ids_name_the_module_device,
+        _double_accumulation_matches_one_process,
+    ]
     run_distributed(_run_all, 2, checks)
 
 
