@@ -93,6 +93,5 @@ def stage_names(seq: nn.Sequential, world: int, balance: list[int] | None = None
 
 def assert_matches(state: dict[str, list], expected: dict[str, list], label: str) -> None:
     for name, value in state.items():
-        torch.testing.assert_close(
-            torch.tensor(value), torch.tensor(expected[name]), rtol=RTOL, atol=ATOL, msg=f"{label}: {name}"
-        )
+        got, want = torch.tensor(value), torch.tensor(expected[name])
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{label}: {n}: {m}")
