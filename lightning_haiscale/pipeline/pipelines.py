@@ -61,6 +61,10 @@ class Pipeline(nn.Module):
     with the same learning rate and global batch. Scaling here too would give a ported script ``1/chunks`` of
     its gradients (a ``chunks``-times smaller SGD step; clipping and Adam's ``eps`` at the wrong scale). The
     Lightning strategies own their loss and pass their own ``loss_scale`` to ``run_microbatches``.
+
+    Layers run once per microbatch, so a BatchNorm normalizes each microbatch by its own statistics and
+    updates its running statistics ``chunks`` times a step (a data-parallel stage copies dp rank 0's buffers
+    to its replicas before every forward, as torch's DDP does).
     """
 
     order: ClassVar[Order]
@@ -131,6 +135,8 @@ class Pipeline(nn.Module):
         """Clips every stage's gradients by the norm of the whole pipeline's; returns that norm.
 
         Every rank of the pipeline calls it after the step's backward (a collective over ``process_group``).
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, as haiscale's scripts call it, clips
+        each stage by its own stage's norm instead (no communication), as it did under haiscale.
         """
         return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.process_group)
 
