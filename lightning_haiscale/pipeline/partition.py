@@ -122,20 +122,26 @@ def _balanced_counts(weights: Sequence[float], parts: int) -> list[int]:
 def _measured_times(
     module: nn.Sequential, example_inputs: tuple[Any, ...] | None, process_group: dist.ProcessGroup | None
 ) -> list[float]:
-    """Forward + backward seconds of each layer on ``example_inputs``, agreed on by every rank."""
+    """Forward + backward seconds of each layer on ``example_inputs``, agreed on by every rank.
+
+    [Note: timing layers] Each layer is timed where the inputs are (moved there for its turn and back, so a
+    model still on the CPU is profiled on the GPU it will train on, one layer at a time), on its second run
+    (the first pays for kernel selection and allocator growth), and on CUDA between synchronizations: a CUDA
+    layer returns as soon as its kernels are queued, so the host clock alone measures launch time.
+    """
     if example_inputs is None:
         raise ValueError("balance='time' needs example_inputs=(a batch the first layer accepts,) to profile on")
+    device = next((a.device for a in example_inputs if torch.is_tensor(a)), torch.device("cpu"))
     times = [0.0] * len(module)
     x: Any = example_inputs if len(example_inputs) != 1 else example_inputs[0]
     for i, layer in enumerate(module):
+        home = next((t.device for t in (*layer.parameters(), *layer.buffers())), device)
+        layer.to(device)
         args = x if isinstance(x, tuple) else (x,)
         args = tuple(a.detach().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in args)
-        start = time.perf_counter()
-        out = layer(*args)
-        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if torch.is_tensor(o) and o.requires_grad]
-        if outs:
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-        times[i] = time.perf_counter() - start
+        for _ in range(2):
+            out, times[i] = _time_layer(layer, args, device)
+        layer.to(home)
         x = tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
     module.zero_grad(set_to_none=True)
     if dist.is_available() and dist.is_initialized():
@@ -144,6 +150,23 @@ def _measured_times(
         times = shared[0]
     log.info("measured layer times (s): %s", ", ".join(f"{t:.4f}" for t in times))
     return times
+
+
+def _time_layer(layer: nn.Module, args: tuple[Any, ...], device: torch.device) -> tuple[Any, float]:
+    """One forward and backward of ``layer``: its output and the seconds they took on ``device``."""
+    _synchronize(device)
+    start = time.perf_counter()
+    out = layer(*args)
+    outs = [o for o in (out if isinstance(out, tuple) else (out,)) if torch.is_tensor(o) and o.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    _synchronize(device)
+    return out, time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def make_subgroups(pp_size: int, timeout: timedelta | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -199,6 +200,8 @@ class _PipelineStrategy(HaiParallelStrategy):
         example_inputs = self._example_inputs
         if self.balance == "time" and example_inputs is None:
             example_inputs = self._first_batch_inputs(name, network)
+        if self.balance == "time":  # profile on the device the stages will run on (see partition's note)
+            example_inputs = move_data_to_device(example_inputs, self.root_device)
         parts = partition(
             network,
             self.pp_rank,

@@ -193,12 +193,12 @@ class _UsedTwice(nn.Module):
         return self.head(self.shared(torch.tanh(h)))
 
 
-def _double_accumulation_matches_one_process(rank: int, world: int) -> None:
-    model = DistributedDataParallel(_UsedTwice(), bucket_cap_mb=1e-6)  # a bucket per parameter
-    ref = _UsedTwice()
+def _double_accumulation_matches_one_process(rank: int, world: int, device: str = "cpu") -> None:
+    model = DistributedDataParallel(_UsedTwice().to(device), bucket_cap_mb=1e-6)  # a bucket per parameter
+    ref = _UsedTwice().to(device)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
     for step in range(4):
-        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step)).requires_grad_()
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step)).to(device).requires_grad_()
         model(x[rank * 4 : (rank + 1) * 4]).square().mean().backward()
         ref(x).square().mean().backward()
         for opt_ in (opt, ref_opt):
@@ -237,3 +237,18 @@ def test_two_processes() -> None:
 
 def test_two_hosts_of_two_ranks() -> None:
     run_distributed(_run_all, 4, [_gpt_parity], node_ids=["a", "a", "b", "b"])
+
+
+def _cuda_checks(rank: int, world: int) -> None:
+    torch.cuda.set_device(0)
+    _double_accumulation_matches_one_process(rank, world, device="cuda")
+    model = DistributedDataParallel(nn.Linear(4, 2).cuda(), device_ids=[0])
+    assert model(torch.randn(3, 4)).device.type == "cuda", "device_ids=[0]: inputs go to the module's device"
+    model.reducer.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_double_accumulation_and_device_ids() -> None:
+    """Both ranks on GPU 0 (the engine stages through host memory; gloo for the process group)."""
+    run_distributed(_cuda_checks, 2)

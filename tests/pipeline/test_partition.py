@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_haiscale.pipeline import SequentialModel, partition
-from lightning_haiscale.pipeline.partition import _balanced_counts
+from lightning_haiscale.pipeline.partition import _balanced_counts, stage_layer_counts
 
 
 def _mlp(widths: list[int]) -> nn.Sequential:
@@ -54,6 +54,23 @@ def test_time_balance_needs_an_example_and_cuts_slow_layers_apart() -> None:
     first = partition(seq, 0, 2, balance="time", example_inputs=(torch.randn(512, 256),))
     assert 1 <= len(first) <= 3
     assert all(p.grad is None for p in seq.parameters())
+
+
+class _GPUSleep(nn.Module):
+    """Queues a ~50 ms GPU kernel and returns at once: only a synchronized clock sees its time."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(100_000_000)
+        return x * 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_time_balance_on_cuda_synchronizes_and_profiles_where_the_inputs_are() -> None:
+    seq = nn.Sequential(_GPUSleep(), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))  # on the CPU
+    counts = stage_layer_counts(seq, 2, "time", example_inputs=(torch.randn(8, 64, device="cuda"),))
+    assert counts == [1, 3], "the slow GPU layer was not timed as slow (no synchronization?)"
+    assert all(p.device.type == "cpu" for p in seq.parameters()), "layers go back where they were"
 
 
 def test_sequential_model_unpacks_tuples() -> None:
