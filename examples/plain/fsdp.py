@@ -21,8 +21,8 @@ for step in range(50):
     optimizer.zero_grad()
     if rank == 0 and step % 10 == 0:
         print(f"step {step}: loss {loss.item():.4f}")
-with model.summon_full_params():  # full parameters only inside this block
-    state = model.state_dict()
-if rank == 0:
-    print(f"full state dict: {sum(v.numel() for v in state.values())} values")
+with model.summon_full_params():  # full parameters only inside this block, where state_dict() is local
+    if rank == 0:  # haiscale's save snippet: one rank calls it (torch.save(model.state_dict(), path))
+        state = model.state_dict()
+        print(f"full state dict: {sum(v.numel() for v in state.values())} values")
 dist.destroy_process_group()
