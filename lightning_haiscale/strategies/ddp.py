@@ -20,7 +20,7 @@ from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.hfreduce import Communicator
 from lightning_haiscale.strategies.arguments import check_bool, check_choice, check_number, check_timeout
 
-__all__ = ["HaiDDPStrategy"]
+__all__ = ["HaiDDPStrategy", "hai_ddp_options", "wrap_hai_ddp"]
 
 _TORCH_DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -72,18 +72,14 @@ class HaiDDPStrategy(DDPStrategy):
         broadcast_buffers: bool = True,
         **torch_ddp_options: Any,
     ) -> None:
-        torch_only = {
-            "ddp_comm_state": ddp_comm_state,
-            "ddp_comm_hook": ddp_comm_hook,
-            "ddp_comm_wrapper": ddp_comm_wrapper,
-            "model_averaging_period": model_averaging_period,
-        }
-        ignored = sorted(torch_ddp_options) + [name for name in _TORCH_DDP_ONLY if torch_only[name] is not None]
-        if ignored:
-            raise TypeError(
-                f"HaiDDPStrategy does not take {ignored}: those configure torch's DistributedDataParallel, which "
-                "hai_ddp replaces; it takes bucket_cap_mb, find_unused_parameters and broadcast_buffers"
+        refused = sorted(torch_ddp_options) + [
+            name
+            for name, value in zip(
+                _TORCH_DDP_ONLY, (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period), strict=True
             )
+            if value is not None
+        ]
+        hai_kwargs = hai_ddp_options(refused, bucket_cap_mb, find_unused_parameters, broadcast_buffers)
         check_choice("start_method", start_method, _START_METHODS)
         super().__init__(
             accelerator=accelerator,
@@ -95,18 +91,11 @@ class HaiDDPStrategy(DDPStrategy):
             timeout=check_timeout(timeout),
             start_method=start_method,
         )
-        self._hai_kwargs = {
-            "bucket_cap_mb": check_number("bucket_cap_mb", bucket_cap_mb),
-            "find_unused_parameters": check_bool("find_unused_parameters", find_unused_parameters),
-            "broadcast_buffers": check_bool("broadcast_buffers", broadcast_buffers),
-        }
+        self._hai_kwargs = hai_kwargs
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
-        engine = Communicator(timeout=self._timeout) if self._timeout is not None else Communicator()
-        return DistributedDataParallel(
-            model, device_ids=self.determine_ddp_device_ids(), communicator=engine, **self._hai_kwargs
-        )
+        return wrap_hai_ddp(model, self.determine_ddp_device_ids(), self._timeout, self._hai_kwargs)
 
     @override
     def configure_ddp(self) -> None:
@@ -137,6 +126,31 @@ class HaiDDPStrategy(DDPStrategy):
             self.model.reducer.stop()
             self.model = self.lightning_module
         super().teardown()
+
+
+def hai_ddp_options(
+    refused: list[str], bucket_cap_mb: Any, find_unused_parameters: Any, broadcast_buffers: Any
+) -> dict[str, Any]:
+    """hai_ddp's own options, checked; ``refused`` (torch DDP's options that were given) raise ``TypeError``.
+    Shared by the Trainer and Fabric strategies."""
+    if refused:
+        raise TypeError(
+            f"HaiDDPStrategy does not take {refused}: those configure torch's DistributedDataParallel, which "
+            "hai_ddp replaces; it takes bucket_cap_mb, find_unused_parameters and broadcast_buffers"
+        )
+    return {
+        "bucket_cap_mb": check_number("bucket_cap_mb", bucket_cap_mb),
+        "find_unused_parameters": check_bool("find_unused_parameters", find_unused_parameters),
+        "broadcast_buffers": check_bool("broadcast_buffers", broadcast_buffers),
+    }
+
+
+def wrap_hai_ddp(
+    module: Module, device_ids: list[int] | None, timeout: timedelta | None, options: dict[str, Any]
+) -> DistributedDataParallel:
+    """The wrapper, on an engine whose waits end at ``timeout`` (the strategy's, as its process group's)."""
+    engine = Communicator(timeout=timeout) if timeout is not None else Communicator()
+    return DistributedDataParallel(module, device_ids=device_ids, communicator=engine, **options)
 
 
 # Lightning's DDPStrategy.on_exception text for the same case, naming hai_ddp's spellings.

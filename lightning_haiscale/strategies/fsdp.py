@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,7 +43,7 @@ from lightning_haiscale.hfreduce import Communicator
 from lightning_haiscale.strategies.arguments import check_bool, check_choice
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy
 
-__all__ = ["HaiFSDPStrategy"]
+__all__ = ["HaiFSDPStrategy", "hai_fsdp_options", "wrap_hai_fsdp"]
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +79,11 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_arguments(auto_wrap_policy, backward_prefetch, reshard_after_forward, state_dict_type, param_init_fn)
+        check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
+        options = hai_fsdp_options(auto_wrap_policy, backward_prefetch, reshard_after_forward, param_init_fn)
         super().__init__(**kwargs)
         self.state_dict_type = state_dict_type
-        self._fsdp_kwargs: dict[str, Any] = {
-            "auto_wrap_policy": auto_wrap_policy,
-            "backward_prefetch": backward_prefetch,
-            "reshard_after_forward": reshard_after_forward,
-            "param_init_fn": param_init_fn,
-        }
+        self._fsdp_kwargs = options
 
     @property
     @override
@@ -124,21 +121,10 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         existing = model.__dict__.get(_WRAPPER_ATTR)
         if isinstance(existing, FullyShardedDataParallel):
             return existing
-        wrapped = FullyShardedDataParallel(
-            model,
-            mixed_precision=self._mixed_precision(),
-            device_id=self.root_device,
-            communicator=Communicator(timeout=self._timeout),
-            **self._fsdp_kwargs,
-        )
+        precision = self.precision_plugin.precision
+        wrapped = wrap_hai_fsdp(model, self.root_device, self._timeout, precision, self._fsdp_kwargs)
         model.__dict__[_WRAPPER_ATTR] = wrapped  # not a submodule: plain attribute
         return wrapped
-
-    def _mixed_precision(self) -> MixedPrecision | None:
-        """bf16-mixed: gather and reduce in bf16 (half the traffic); autocast still runs the ops."""
-        if self.precision_plugin.precision == "bf16-mixed":
-            return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=False)
-        return None
 
     @override
     def clip_grad_norm_(self, max_norm: float) -> None:
@@ -234,18 +220,36 @@ class HaiFSDPStrategy(HaiParallelStrategy):
             self.accelerator.teardown()
 
 
-def _check_arguments(
-    auto_wrap_policy: Any, backward_prefetch: Any, reshard_after_forward: Any, state_dict_type: Any, param_init_fn: Any
-) -> None:
+def hai_fsdp_options(
+    auto_wrap_policy: Any, backward_prefetch: Any, reshard_after_forward: Any, param_init_fn: Any
+) -> dict[str, Any]:
+    """The wrapper's options, checked (shared by the Trainer and Fabric strategies)."""
     check_policy(auto_wrap_policy)
     if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
         raise TypeError(
             f"backward_prefetch={backward_prefetch!r} must be None, BackwardPrefetch.BACKWARD_PRE or BACKWARD_POST"
         )
     check_bool("reshard_after_forward", reshard_after_forward)
-    check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
     if param_init_fn is not None and not callable(param_init_fn):
         raise TypeError(f"param_init_fn={param_init_fn!r} must be a function fn(module) or None")
+    return {
+        "auto_wrap_policy": auto_wrap_policy,
+        "backward_prefetch": backward_prefetch,
+        "reshard_after_forward": reshard_after_forward,
+        "param_init_fn": param_init_fn,
+    }
+
+
+def wrap_hai_fsdp(
+    module: nn.Module, device: torch.device, timeout: timedelta, precision: str, options: dict[str, Any]
+) -> FullyShardedDataParallel:
+    """Shards ``module`` on an engine with the strategy's ``timeout``. bf16-mixed gathers and reduces in bf16
+    (half the traffic); autocast still runs the ops."""
+    mixed = None
+    if precision == "bf16-mixed":
+        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=False)
+    engine = Communicator(timeout=timeout)
+    return FullyShardedDataParallel(module, mixed_precision=mixed, device_id=device, communicator=engine, **options)
 
 
 def _mmap(path: Path, weights_only: bool) -> dict[str, Any]:

@@ -41,3 +41,8 @@ def test_plain_example(name: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", LIGHTNING)
 def test_lightning_example(name: str, tmp_path: Path) -> None:
     _run([sys.executable, "-m", f"examples.lightning.{name}"], tmp_path)
+
+
+def test_fabric_pipeline_example(tmp_path: Path) -> None:
+    """The README's pipeline inside a Fabric script."""
+    assert "final loss" in _run([sys.executable, "-m", "examples.fabric.pipeline"], tmp_path)

@@ -1,0 +1,107 @@
+"""Fabric's ``"hai_ddp"``: Lightning Fabric's DDP strategy with haiscale's DistributedDataParallel."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_haiscale.ddp import DistributedDataParallel
+from lightning_haiscale.strategies.arguments import check_choice, check_timeout
+from lightning_haiscale.strategies.ddp import hai_ddp_options, wrap_hai_ddp
+
+__all__ = ["HaiDDPStrategy"]
+
+
+class HaiDDPStrategy(DDPStrategy):
+    """Fabric data parallel on the hfreduce engine: ``Fabric(strategy="hai_ddp")``.
+
+    The parameters are Fabric ``DDPStrategy``'s, in its order, then hai_ddp's own (see
+    :class:`lightning_haiscale.HaiDDPStrategy`); torch DDP's options raise ``TypeError``.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        bucket_cap_mb: float = 25,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        **torch_ddp_options: Any,
+    ) -> None:
+        options = hai_ddp_options(sorted(torch_ddp_options), bucket_cap_mb, find_unused_parameters, broadcast_buffers)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=check_timeout(timeout),
+            start_method=check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver")),
+        )
+        self._hai_kwargs = options
+        self._backward_sync_control = _HaiBackwardSyncControl()
+        self._wrapped: list[DistributedDataParallel] = []
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        wrapped = wrap_hai_ddp(module, self._determine_ddp_device_ids(), self._timeout, self._hai_kwargs)
+        self._wrapped.append(wrapped)
+        return wrapped
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        return super().get_module_state_dict(_unwrap(module))
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        super().load_module_state_dict(_unwrap(module), state_dict, strict=strict)
+
+    @override
+    def teardown(self) -> None:
+        for wrapped in self._wrapped:
+            wrapped.reducer.stop()
+        self._wrapped.clear()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("hai_ddp", cls, description="data parallel on the hfreduce shared-memory engine")
+        strategy_registry.register(
+            "hai_ddp_spawn", cls, description="hai_ddp started by torch.multiprocessing.spawn", start_method="spawn"
+        )
+
+
+def _unwrap(module: Module) -> Module:
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+class _HaiBackwardSyncControl(_BackwardSyncControl):
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, DistributedDataParallel):
+            raise TypeError(f"no_backward_sync needs the module set up by hai_ddp, got {type(module).__name__}")
+        return module.no_sync()
+
+
+if "hai_ddp" not in STRATEGY_REGISTRY:
+    HaiDDPStrategy.register_strategies(STRATEGY_REGISTRY)

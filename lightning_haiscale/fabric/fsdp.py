@@ -1,0 +1,245 @@
+"""Fabric's ``"hai_fsdp"``: sharded data parallel on the hfreduce engine, for Lightning Fabric.
+
+[Note: Fabric checkpoints] ``fabric.save(path, state)`` with ``state_dict_type="full"`` writes one file on
+rank 0: each module's full state dict (bare-module keys) and each optimizer's state keyed by parameter name,
+as the Trainer strategy writes them. ``"sharded"``: a folder with ``rank_<r>.pt`` (this rank's pieces of each
+module and optimizer) and ``meta.pt`` (everything else and the world size); it loads on any number of ranks.
+``fabric.load`` reads either form, and full optimizer states saved by ddp or one device (keyed by position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+from torch import nn
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_haiscale.fsdp import (
+    BackwardPrefetch,
+    FullyShardedDataParallel,
+    full_optim_state_dict,
+    full_state_dict,
+    load_full_optim_state_dict,
+    load_full_state_dict,
+    load_sharded_optim_state_dict,
+    load_sharded_state_dict,
+    sharded_optim_state_dict,
+    sharded_state_dict,
+)
+from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
+from lightning_haiscale.strategies.arguments import check_choice, check_timeout
+from lightning_haiscale.strategies.fsdp import hai_fsdp_options, wrap_hai_fsdp
+
+__all__ = ["HaiFSDPStrategy"]
+
+_META_FILE = "meta.pt"
+
+
+class HaiFSDPStrategy(DDPStrategy, _Sharded):
+    """Fabric sharded data parallel: ``Fabric(strategy="hai_fsdp")``.
+
+    Processes, the process group and the collectives (``all_reduce``, ``barrier``, ``broadcast``) are Fabric
+    ``DDPStrategy``'s; the module is sharded by :class:`lightning_haiscale.fsdp.FullyShardedDataParallel`.
+    ``fabric.setup(model, optimizer)`` points the optimizer at this rank's pieces (it must not have stepped
+    yet); ``fabric.init_module(empty_init=True)`` builds on the meta device and the model is materialized
+    one unit at a time. Arguments as :class:`lightning_haiscale.HaiFSDPStrategy`.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = default_pg_timeout,
+        auto_wrap_policy: AutoWrapPolicy | None = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        reshard_after_forward: bool = True,
+        state_dict_type: Literal["full", "sharded"] = "full",
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+    ) -> None:
+        options = hai_fsdp_options(auto_wrap_policy, backward_prefetch, reshard_after_forward, param_init_fn)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=check_timeout(timeout) or default_pg_timeout,
+        )
+        self.state_dict_type = check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
+        self._fsdp_kwargs = options
+        self._backward_sync_control = _ShardedBackwardSyncControl()
+
+    # ---------------------------------------------------------------------------- model
+
+    @override
+    def setup_module(self, module: nn.Module) -> FullyShardedDataParallel:
+        return wrap_hai_fsdp(module, self.root_device, self._timeout, self.precision.precision, self._fsdp_kwargs)
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        """Shards the module, then points each optimizer at the pieces that replaced its parameters."""
+        if any(optimizer.state for optimizer in optimizers):
+            raise ValueError("fabric.setup(model, optimizer) needs an optimizer that has not stepped yet")
+        names = {id(p): name for name, p in module.named_parameters()}
+        wrapped = self.setup_module(module)
+        pieces = dict(wrapped.named_parameters())
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                unknown = [p for p in group["params"] if id(p) not in names]
+                if unknown:
+                    raise ValueError("the optimizer holds tensors that are not the model's parameters")
+                group["params"] = [pieces[names[id(p)]] for p in group["params"]]
+        return wrapped, optimizers, scheduler
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        """The wrapper creates the shards on the root device."""
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``empty_init=True``: on the meta device; sharding materializes one unit at a time."""
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """By the norm over every rank's pieces."""
+        self.precision.unscale_gradients(optimizer)
+        return _sharded(module).clip_grad_norm_(max_norm, norm_type)
+
+    # ---------------------------------------------------------------------- checkpoints
+
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """See [Note: Fabric checkpoints]."""
+        if filter:
+            raise ValueError("hai_fsdp does not support fabric.save(..., filter=...)")
+        model = _the_module(state)
+        sharded = self.state_dict_type == "sharded"
+        pieces, rest = {}, {}
+        for name, value in state.items():
+            if isinstance(value, FullyShardedDataParallel):
+                pieces[name] = sharded_state_dict(value) if sharded else full_state_dict(value)
+            elif isinstance(value, Optimizer):
+                opt = sharded_optim_state_dict if sharded else full_optim_state_dict
+                pieces[name] = opt(model, value)
+            else:
+                rest[name] = value.state_dict() if hasattr(value, "state_dict") else value
+        if not sharded:
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint({**rest, **pieces}, path, storage_options=storage_options)
+            self.barrier()
+            return
+        folder = Path(self.broadcast(str(path)))
+        if self.is_global_zero:
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save({**rest, "hai_fsdp_world_size": self.world_size}, folder / _META_FILE)
+        self.barrier()
+        torch.save(pieces, folder / f"rank_{self.global_rank}.pt")
+        self.barrier()
+
+    @override
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Loads into the modules and optimizers of ``state`` in place; returns what they did not take."""
+        path = Path(path)
+        safe = True if weights_only is None else weights_only
+        if not isinstance(state, dict) or not state:
+            raise ValueError("hai_fsdp loads into a dict of objects: fabric.load(path, {'model': model, ...})")
+        model = _the_module(state)
+        if path.is_dir():
+            checkpoint = torch.load(path / _META_FILE, map_location="cpu", weights_only=safe)
+            files = [path / f"rank_{r}.pt" for r in range(checkpoint.pop("hai_fsdp_world_size"))]
+            for name, value in state.items():
+                shards = (_mmap(f, safe)[name] for f in files)
+                if isinstance(value, FullyShardedDataParallel):
+                    load_sharded_state_dict(value, shards, strict=strict)
+                elif isinstance(value, Optimizer):
+                    load_sharded_optim_state_dict(model, value, shards)
+        else:
+            checkpoint = _mmap(path, safe)
+            for name, value in state.items():
+                if isinstance(value, FullyShardedDataParallel):
+                    load_full_state_dict(value, checkpoint.pop(name), strict=strict)
+                elif isinstance(value, Optimizer):
+                    load_full_optim_state_dict(model, value, checkpoint.pop(name))
+        for name, value in state.items():
+            if isinstance(value, FullyShardedDataParallel | Optimizer) or name not in checkpoint:
+                continue
+            if hasattr(value, "load_state_dict"):
+                value.load_state_dict(checkpoint.pop(name))
+            else:
+                state[name] = checkpoint.pop(name)
+        return checkpoint
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("hai_fsdp", cls, description="fully sharded data parallel on the hfreduce engine")
+
+
+def _sharded(module: nn.Module) -> FullyShardedDataParallel:
+    if not isinstance(module, FullyShardedDataParallel):
+        raise TypeError(f"hai_fsdp needs the module returned by fabric.setup, got {type(module).__name__}")
+    return module
+
+
+def _the_module(state: dict[str, Any]) -> FullyShardedDataParallel:
+    """The one sharded module of a checkpoint's state: its optimizers' states are keyed by its names."""
+    modules = [v for v in state.values() if isinstance(v, FullyShardedDataParallel)]
+    if len(modules) != 1:
+        raise ValueError(f"hai_fsdp checkpoints hold one module set up by fabric.setup; the state has {len(modules)}")
+    return modules[0]
+
+
+def _mmap(path: Path, weights_only: bool) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+
+
+class _ShardedBackwardSyncControl(_BackwardSyncControl):
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return _sharded(module).no_sync() if enabled else nullcontext()
+
+
+if "hai_fsdp" not in STRATEGY_REGISTRY:
+    HaiFSDPStrategy.register_strategies(STRATEGY_REGISTRY)
