@@ -173,7 +173,12 @@ def _broadcast_buffers(comm: Communicator, buffers: list[torch.Tensor]) -> None:
             comm.broadcast(words, src=0)
         if comm.rank != 0:
             for t, start, n in zip(group, starts, sizes, strict=False):
-                t.copy_(flat[start : start + n].view(t.dtype).view_as(t))
+                # [Note: buffer versions] write through .data, as torch's C++ broadcast writes below autograd:
+                # a buffer saved for backward by an earlier forward (BatchNorm's running statistics when a
+                # pipeline runs several microbatches' forwards before their backwards, or two forwards before
+                # one backward) keeps its version, so that backward does not fail as "modified by an inplace
+                # operation"
+                t.data.copy_(flat[start : start + n].view(t.dtype).view_as(t))
 
 
 def _broadcast_coalesced(comm: Communicator, tensors: Iterable[torch.Tensor]) -> None:
@@ -191,9 +196,5 @@ def _broadcast_coalesced(comm: Communicator, tensors: Iterable[torch.Tensor]) ->
             continue
         offset = 0
         for t in group:
-            # [Note: buffer versions] write through .data, as torch's C++ broadcast writes below autograd: a
-            # buffer saved for backward by an earlier forward (BatchNorm's running statistics when a pipeline
-            # runs several microbatches' forwards before their backwards, or two forwards before one
-            # backward) keeps its version, so that backward does not fail as "modified by an inplace operation"
-            t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
