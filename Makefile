@@ -23,7 +23,7 @@ $(STAMP): $(PY) pyproject.toml setup.py $(NATIVE)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) examples/gpt/train.py --strategy hai_ddp --accelerator cpu --devices 2 --config tiny --max-steps 400 --val-every 100
+	OMP_NUM_THREADS=1 $(PY) -m examples.gpt.train --config examples/gpt/demo.yaml
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests

@@ -26,7 +26,9 @@ import argparse
 import json
 import resource
 import statistics
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import lightning as L
 import torch
@@ -36,10 +38,37 @@ from torch import nn
 from examples.gpt.data import GPTDataModule
 from examples.gpt.lightning_module import GPTLightningModule
 from examples.gpt.model import config
-from examples.gpt.train import Throughput
 from tests.distributed import run_distributed
 
 STRATEGIES = ("ddp", "hai_ddp", "no_comm")
+
+
+class Throughput(L.Callback):
+    """Samples per second over all replicas from step ``warmup`` to the end, on every rank.
+
+    Lightning's ThroughputMonitor averages a rolling window on rank 0 and reports through a logger; the
+    benchmark wants the whole post-warm-up span, returned by each spawned rank without a logger.
+    """
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.start: float | None = None
+        self.end: float | None = None
+        self.samples = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.start is None and trainer.global_step >= self.warmup:
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *a: Any):
+        if self.start is not None:
+            self.samples += batch[0].size(0)
+            self.end = time.perf_counter()
+
+    def samples_per_second(self, trainer: L.Trainer) -> float | None:
+        if self.start is None or self.end is None or self.end <= self.start:
+            return None
+        return self.samples * trainer.world_size / (self.end - self.start)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["DEFAULT_MAX_BYTES", "ByteBlocks", "GPTDataModule", "load_tokens", "stdlib_corpus"]
+__all__ = ["DEFAULT_MAX_BYTES", "ByteBlocks", "GPTDataModule", "batch_samples", "load_tokens", "stdlib_corpus"]
 
 DEFAULT_MAX_BYTES = 4 << 20  # 4 MiB of the standard library: ~16k blocks of 256 tokens
 
@@ -81,6 +81,11 @@ class ByteBlocks(Dataset):
         return window[:-1], window[1:]  # (T,), (T,)
 
 
+def batch_samples(batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """Sequences in an ``(x, y)`` batch: ``ThroughputMonitor``'s ``batch_size_fn``."""
+    return batch[0].size(0)
+
+
 class GPTDataModule(L.LightningDataModule):
     """Train and validation batches of ``(x, y)``, each (B, T), from one byte corpus.
 
@@ -88,7 +93,7 @@ class GPTDataModule(L.LightningDataModule):
     ``seed`` (Lightning's distributed sampler reshuffles per epoch with its own seed), so runs repeat.
 
     Args:
-        data: text file or folder (``--data``); ``None`` = the standard-library corpus.
+        data: text file or folder (``--data.data``); ``None`` = the standard-library corpus.
         block_size: tokens per sequence (T).
         batch_size: sequences per batch and per process (B).
         val_fraction: share of the corpus held out for validation.

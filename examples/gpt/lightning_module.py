@@ -10,7 +10,7 @@ import torch
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
-from examples.gpt.model import GPT, GPTConfig, lm_loss
+from examples.gpt.model import GPT, GPTConfig, config, lm_loss
 
 __all__ = ["GPTLightningModule"]
 
@@ -23,13 +23,20 @@ class GPTLightningModule(L.LightningModule):
     pipeline strategies look for. Pipeline strategies need ``cfg.tie_weights=False``.
 
     Args:
-        cfg: the model configuration, e.g. ``config("tiny")``, or its fields as a dict (from a checkpoint).
+        cfg: the model configuration: a config name (``"tiny"``, ``"small"``, ``"medium"``), a ``GPTConfig``
+            such as ``config("tiny", n_layer=2)``, or its fields as a dict (from a checkpoint).
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
     """
 
-    def __init__(self, cfg: GPTConfig | dict[str, Any], lr: float = 1e-3, weight_decay: float = 0.1) -> None:
+    flops_per_batch: int | None = None  # read by Lightning's ThroughputMonitor; None: no FLOPs figure
+
+    def __init__(
+        self, cfg: GPTConfig | dict[str, Any] | str = "tiny", lr: float = 1e-3, weight_decay: float = 0.1
+    ) -> None:
         super().__init__()
+        if isinstance(cfg, str):
+            cfg = config(cfg)
         self.cfg = cfg if isinstance(cfg, GPTConfig) else GPTConfig(**cfg)
         # Plain types only, so checkpoints load with torch.load(weights_only=True) (Lightning's default).
         self.save_hyperparameters({"cfg": asdict(self.cfg), "lr": lr, "weight_decay": weight_decay})

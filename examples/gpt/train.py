@@ -1,119 +1,88 @@
-"""Train the GPT example with any registered strategy.
+"""Train the GPT example with any registered strategy; every Trainer flag works (LightningCLI).
 
-    python examples/gpt/train.py --strategy hai_ddp --devices 2 --config tiny --max-steps 60
+    python -m examples.gpt.train --trainer.strategy=hai_ddp --trainer.accelerator=cpu --trainer.devices=2
+    python -m examples.gpt.train --config examples/gpt/demo.yaml          # what `make demo` runs
+    python -m examples.gpt.train --help                                   # every option
 
-Lightning launches the extra processes itself (``--devices N`` on one machine); under torchrun or
-SLURM it uses the processes it was given. Ends with a summary: training samples/s after warm-up and
-the final validation loss and perplexity.
+Options are LightningCLI's: ``--trainer.*`` (any Trainer argument: ``strategy``, ``devices``, ``num_nodes``,
+``max_steps``, ``precision``, ``accumulate_grad_batches``, ...; a strategy's own arguments through
+``--trainer.strategy=hai_fsdp`` or a ``class_path``/``init_args`` block in YAML), ``--model.*``
+(``GPTLightningModule``: ``--model.cfg=small`` picks a named config, ``--model.cfg.n_layer=2`` sets one
+field of the default ``tiny``), ``--data.*`` (``GPTDataModule``: ``--data.data=PATH``, ``--data.batch_size``),
+``--throughput.*`` (Lightning's ``ThroughputMonitor``), ``--seed_everything``, and ``--config FILE.yaml``
+for any of them (``--print_config`` writes one). The data's block size follows the model's.
+
+Lightning starts the extra processes itself (``--trainer.devices=N`` on one machine); under torchrun or
+SLURM it uses the processes it was given. Run from the repository root (``examples`` is imported as a
+package). Ends with a summary on rank 0: training samples/s over the last ``--throughput.window_size``
+steps (all data-parallel replicas together), and the final validation loss and perplexity.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `examples.gpt`
-
-import lightning as L
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_haiscale  # noqa: F401  (registers the hai_* strategy names)
-from examples.gpt.data import DEFAULT_MAX_BYTES, GPTDataModule
+from examples.gpt.data import GPTDataModule, batch_samples
 from examples.gpt.lightning_module import GPTLightningModule
-from examples.gpt.model import CONFIGS, config
+from examples.gpt.model import CONFIGS, GPTConfig
 
-PIPELINE_STRATEGIES = ("hai_gpipe", "hai_pipedream", "hai_interleaved_1f1b")  # need untied LM head weights
+# Pipeline stages hold different layers, so the LM head cannot share the embedding's weight.
+PIPELINE_STRATEGIES = ("hai_gpipe", "hai_pipedream", "hai_interleaved_1f1b")
+PIPELINE_CLASSES = ("GPipeStrategy", "PipeDreamStrategy", "Interleaved1F1BStrategy")
 
-
-class Throughput(L.Callback):
-    """Training samples per second over all data-parallel replicas, from step ``warmup`` on."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.start: float | None = None
-        self.end: float | None = None
-        self.samples = 0
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if self.start is None and trainer.global_step >= self.warmup:
-            self.start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *a: Any):
-        if self.start is not None:
-            self.samples += batch[0].size(0)
-            self.end = time.perf_counter()
-
-    def samples_per_second(self, trainer: L.Trainer) -> float | None:
-        if self.start is None or self.end is None or self.end <= self.start:
-            return None
-        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        replicas = kwargs.get("num_replicas", 1)  # pipeline stages share a batch: count replicas, not ranks
-        return self.samples * replicas / (self.end - self.start)
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "strategy": "hai_ddp",
+    "max_steps": 60,
+    "limit_val_batches": 16,  # per process
+    "num_sanity_val_steps": 0,
+    "enable_checkpointing": False,  # --trainer.enable_checkpointing=true --trainer.default_root_dir=DIR
+}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    names = ["auto", *StrategyRegistry.available_strategies()]
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", default="hai_ddp", help=f"a registered strategy: {', '.join(names)}")
-    p.add_argument("--accelerator", default="auto", help="cpu, gpu or auto")
-    p.add_argument("--devices", type=int, default=1, help="processes (devices) per node")
-    p.add_argument("--num-nodes", type=int, default=1)
-    p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
-    p.add_argument("--max-steps", type=int, default=60, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per batch and per process")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per sequence (default: the config's)")
-    p.add_argument("--accumulate-grad-batches", type=int, default=1)
-    p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's source)")
-    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="corpus cap in bytes")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--precision", default=None, help="Lightning precision, e.g. bf16-mixed (default 32-true)")
-    p.add_argument("--val-every", type=int, default=None, help="validate every N steps (default: at the end)")
-    p.add_argument("--val-batches", type=int, default=16, help="validation batches per process")
-    p.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the samples/s figure")
-    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (default: none)")
-    p.add_argument("--seed", type=int, default=1234)
-    args = p.parse_args(argv)
-    if args.strategy not in names:
-        p.error(f"--strategy {args.strategy!r} is not registered; choose one of {', '.join(names)}")
-    return args
+def _cfg_fields(cfg: Any) -> dict[str, Any]:
+    """``--model.cfg`` as parsed (a config name, a dict, or jsonargparse's namespace of GPTConfig) as fields."""
+    if isinstance(cfg, str):
+        return asdict(CONFIGS[cfg])
+    cfg = getattr(cfg, "init_args", cfg)
+    return dict(cfg) if isinstance(cfg, dict) else dict(vars(cfg))
 
 
-def main(argv: list[str] | None = None) -> dict[str, float | None]:
-    args = parse_args(argv)
-    L.seed_everything(args.seed, workers=True)
-    overrides: dict[str, Any] = {"tie_weights": args.strategy not in PIPELINE_STRATEGIES}
-    if args.block_size is not None:
-        overrides["block_size"] = args.block_size
-    cfg = config(args.config, **overrides)
-    data = GPTDataModule(args.data, cfg.block_size, args.batch_size, max_bytes=args.max_bytes, seed=args.seed)
-    module = GPTLightningModule(cfg, lr=args.lr)
-    throughput = Throughput(min(args.warmup_steps, max(args.max_steps - 1, 0)))
-    val_every = args.val_every or args.max_steps
-    trainer = L.Trainer(
-        strategy=args.strategy,
-        accelerator=args.accelerator,
-        devices=args.devices,
-        num_nodes=args.num_nodes,
-        max_steps=args.max_steps,
-        accumulate_grad_batches=args.accumulate_grad_batches,
-        precision=args.precision,
-        val_check_interval=val_every * args.accumulate_grad_batches,
-        check_val_every_n_epoch=None,
-        limit_val_batches=args.val_batches,
-        num_sanity_val_steps=0,
-        callbacks=[throughput],
-        logger=False,
-        enable_checkpointing=args.checkpoint_dir is not None,
-        default_root_dir=args.checkpoint_dir,
-    )
-    trainer.fit(module, datamodule=data)
-    if "val_loss" not in trainer.callback_metrics:
-        trainer.validate(module, datamodule=data, verbose=False)
+def block_size_of(cfg: Any) -> int:
+    """The context length of ``--model.cfg``, which the data's block size follows."""
+    return _cfg_fields(cfg).get("block_size", GPTConfig.block_size)
+
+
+def _is_pipeline(strategy: Any) -> bool:
+    name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "")
+    return name in PIPELINE_STRATEGIES or name.rsplit(".", 1)[-1] in PIPELINE_CLASSES
+
+
+class GPTCLI(LightningCLI):
+    """LightningCLI with Lightning's ThroughputMonitor always on and the data's block size tied to the model's."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ThroughputMonitor, "throughput")
+        parser.set_defaults({"throughput.batch_size_fn": batch_samples, "throughput.window_size": 50})
+        parser.link_arguments("model.cfg", "data.block_size", compute_fn=block_size_of)
+
+    def before_instantiate_classes(self) -> None:
+        if not _is_pipeline(self.config.trainer.strategy):
+            return
+        self.config.model.cfg = {**_cfg_fields(self.config.model.cfg), "tie_weights": False}
+
+
+def summarize(trainer: Trainer, module: GPTLightningModule, per_rank: float | None) -> dict[str, float | None]:
+    """Samples/s of every data-parallel replica together, and the final validation loss and perplexity."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    replicas = kwargs.get("num_replicas", 1)  # pipeline stages share a batch: count replicas, not ranks
     summary = {
-        "samples_per_s": throughput.samples_per_second(trainer),
+        "samples_per_s": None if per_rank is None else per_rank * replicas,
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "val_ppl": float(trainer.callback_metrics["val_ppl"]),
     }
@@ -121,12 +90,32 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
         params = sum(p.numel() for p in module.parameters())
         rate = summary["samples_per_s"]
         print(
-            f"\nsummary: config={args.config} ({params / 1e6:.2f}M parameters on rank 0) strategy={args.strategy} "
+            f"\nsummary: {params / 1e6:.2f}M parameters on rank 0, strategy={type(trainer.strategy).__name__} "
             f"world={trainer.world_size} steps={trainer.global_step}\n"
-            f"  samples/s (after {throughput.warmup} warm-up steps): {'n/a' if rate is None else f'{rate:.1f}'}\n"
+            f"  samples/s (all replicas, last --throughput.window_size steps): "
+            f"{'n/a (fewer logged steps than the window)' if rate is None else f'{rate:.1f}'}\n"
             f"  final validation loss: {summary['val_loss']:.4f}   perplexity: {summary['val_ppl']:.2f}"
         )
     return summary
+
+
+def main(args: ArgsType = None) -> dict[str, float | None]:
+    """Parses ``args`` (default: the command line), trains, validates once more if needed, summarizes."""
+    cli = GPTCLI(
+        GPTLightningModule,
+        GPTDataModule,
+        args=args,
+        run=False,
+        seed_everything_default=1234,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_kwargs={"overwrite": True},
+    )
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    # Rank 0's rate over the monitor's window, logged every log_every_n_steps; validate() clears it.
+    per_rank = cli.trainer.logged_metrics.get("train/device/samples_per_sec")
+    if "val_loss" not in cli.trainer.callback_metrics:
+        cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
+    return summarize(cli.trainer, cli.model, None if per_rank is None else float(per_rank))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Every example script runs as its docstring says (2 CPU processes) and exits 0: examples do not rot.
 
+The GPT example runs as `make demo` runs it (its YAML), shortened to a few steps.
+
 Plain-PyTorch scripts run under torchrun; Lightning scripts start their own processes. The loss
 printed by the plain training scripts must fall.
 """
@@ -46,3 +48,14 @@ def test_lightning_example(name: str, tmp_path: Path) -> None:
 def test_fabric_pipeline_example(tmp_path: Path) -> None:
     """The README's pipeline inside a Fabric script."""
     assert "final loss" in _run([sys.executable, "-m", "examples.fabric.pipeline"], tmp_path)
+
+
+def test_gpt_example_as_make_demo_runs_it(tmp_path: Path) -> None:
+    out = _run(
+        [sys.executable, "-m", "examples.gpt.train", "--config", str(ROOT / "examples/gpt/demo.yaml"),
+         "--trainer.max_steps=4", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
+         "--trainer.log_every_n_steps=1", "--throughput.window_size=2", "--model.cfg.block_size=32",
+         "--data.max_bytes=20000", f"--trainer.default_root_dir={tmp_path}"],
+        tmp_path,
+    )  # fmt: skip
+    assert "world=2 steps=4" in out and "final validation loss" in out, out
