@@ -8,6 +8,7 @@ losses, _ = model.forward_backward(x, criterion=lambda out, y: F.cross_entropy(o
 ```
 """
 
+from lightning_haiscale.pipeline.executor import PipelineCommunicationError
 from lightning_haiscale.pipeline.partition import SequentialModel, make_subgroups, partition
 from lightning_haiscale.pipeline.pipelines import GPipe, Interleaved1F1B, PipeDream, Pipeline, split_microbatches
 from lightning_haiscale.pipeline.schedule import Action, ActionType, build_schedule, format_grid
@@ -19,6 +20,7 @@ __all__ = [
     "Interleaved1F1B",
     "PipeDream",
     "Pipeline",
+    "PipelineCommunicationError",
     "SequentialModel",
     "build_schedule",
     "format_grid",

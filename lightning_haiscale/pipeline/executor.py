@@ -30,14 +30,26 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from lightning_haiscale.pipeline import p2p
-from lightning_haiscale.pipeline.schedule import Action, ActionType, format_grid
+from lightning_haiscale.pipeline.schedule import (
+    Action,
+    ActionType,
+    Batch,
+    Transfer,
+    format_grid,
+    has_header,
+    header_of,
+    lower,
+)
 
-__all__ = ["StepResult", "run_actions"]
+__all__ = ["PipelineCommunicationError", "StepResult", "run_actions"]
 
 log = logging.getLogger(__name__)
 
-_HEADER, _ACTIVATION, _GRADIENT = range(3)
 LossFn = Callable[[int, Any], torch.Tensor]
+
+
+class PipelineCommunicationError(RuntimeError):
+    """A pipeline transfer failed or timed out: the message names the action, both stages and the schedule."""
 
 
 @dataclass
@@ -91,19 +103,23 @@ def run_actions(
     and then by ``grad_scaler`` (fp16 loss scaling), when there is one.
     On failure the schedule's grid is logged with the failing action.
     """
-    step = _Step(modules, inputs, config, actions)
+    step = _Step(modules, inputs, config, actions, schedule)
     done = False
     try:
-        for index, action in enumerate(actions):
+        for index, item in enumerate(lower(list(actions), config.header_every_microbatch)):
             try:
-                step.run(action)
+                step.run(item)
             except Exception:
-                log.error("pipeline action %d (%s) failed; schedule:\n%s", index, action, format_grid(schedule))
+                log.error("pipeline step item %d (%s) failed; schedule:\n%s", index, _name(item), format_grid(schedule))
                 raise
         done = True
     finally:
         step.finish(wait=done)
     return step.result
+
+
+def _name(item: Action | Batch) -> str:
+    return str(item) if isinstance(item, Action) else "batch " + ", ".join(str(t) for t in item)
 
 
 class _Step:
@@ -115,40 +131,35 @@ class _Step:
         inputs: Sequence[tuple[Any, ...]] | None,
         config: StepConfig,
         actions: Sequence[Action],
+        schedule: dict[int, list[Action]],
     ) -> None:
         self.modules = modules
         self.inputs = inputs
         self.cfg = config
+        self.schedule = schedule
         self.device = _device_of(modules)
         self.result = StepResult()
-        self.headers: dict[tuple[int, int], tuple[torch.Tensor, dist.Work]] = {}
-        self.payloads: dict[tuple[int, int], tuple[torch.Tensor, list[p2p.TensorMeta], dist.Work]] = {}
-        self.grads: dict[tuple[int, int], tuple[torch.Tensor, list[p2p.TensorMeta], dist.Work] | None] = {}
+        self.received: dict[Transfer, tuple[torch.Tensor, list[p2p.TensorMeta], Any]] = {}
         self.saved: dict[tuple[int, int], tuple[tuple[Any, ...], Any]] = {}
         self.outbox: dict[tuple[int, int], list[Any]] = {}
         self.sent_metas: dict[int, list[p2p.TensorMeta]] = {}
         self.recv_metas: dict[int, list[p2p.TensorMeta]] = {}
-        self.deferred: dict[int, list[int]] = {}
-        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self.last_backward = {a.stage: i for i, a in enumerate(actions) if a.type is ActionType.BACKWARD}
-        self.position = 0
+        self.sends: list[tuple[Transfer, Any, torch.Tensor]] = []
+        self.last_backward = {a.stage: a.microbatch for a in actions if a.type is ActionType.BACKWARD}
 
-    def run(self, action: Action) -> None:
-        handler = {
-            ActionType.FORWARD: self.forward,
-            ActionType.BACKWARD: self.backward,
-            ActionType.SEND_F: self.send_activation,
-            ActionType.RECV_F: self.post_activation,
-            ActionType.SEND_B: self.send_gradient,
-            ActionType.RECV_B: self.post_gradient,
-        }[action.type]
-        handler(action.stage, action.microbatch)
-        self.position += 1
+    def run(self, item: Action | Batch) -> None:
+        if not isinstance(item, Action):
+            self.exchange(item)
+            return
+        self.sends = [s for s in self.sends if not s[1].is_completed()]  # sent tensors may go
+        if item.type is ActionType.FORWARD:
+            self.forward(item.stage, item.microbatch)
+        else:
+            self.backward(item.stage, item.microbatch)
 
     # ----- compute -----------------------------------------------------------------------------------
 
     def forward(self, stage: int, m: int) -> None:
-        self._advance()
         module = self.modules[stage // self.cfg.num_ranks]
         inputs = self._stage_inputs(stage, m)
         last = stage == self.cfg.num_stages - 1
@@ -167,7 +178,7 @@ class _Step:
         if self.cfg.training:
             self.saved[(stage, m)] = (inputs, outs)
             self.result.peak_live = max(self.result.peak_live, self._live(stage))
-        self.outbox[(stage, m)] = self._outgoing(stage, m, outs)
+        self.outbox[(stage, m)] = self._outgoing(Action(stage, ActionType.SEND_F, m), outs)
 
     def _finish_last_forward(self, stage: int, m: int, inputs: tuple[Any, ...], out: Any, loss: Any) -> None:
         if loss is not None:
@@ -183,10 +194,9 @@ class _Step:
             self.result.peak_live = max(self.result.peak_live, self._live(stage))
 
     def backward(self, stage: int, m: int) -> None:
-        self._advance()
         module = self.modules[stage // self.cfg.num_ranks]
         inputs, out = self.saved.pop((stage, m))
-        final = self.last_backward[stage] == self.position and self.cfg.sync_grads
+        final = self.last_backward[stage] == m and self.cfg.sync_grads
         with contextlib.nullcontext() if final or not hasattr(module, "no_sync") else module.no_sync():
             if stage == self.cfg.num_stages - 1:
                 torch.autograd.backward(self._scaled(out))
@@ -216,19 +226,14 @@ class _Step:
 
     # ----- communication -----------------------------------------------------------------------------
 
-    def _tag(self, kind: int, stage: int, m: int) -> int:
-        return (kind * self.cfg.num_stages + stage) * self.cfg.num_microbatches + m
-
     def _peer(self, stage: int) -> int:
         return stage % self.cfg.num_ranks
 
-    def _has_header(self, m: int) -> bool:
-        return m == 0 or self.cfg.header_every_microbatch
-
-    def _outgoing(self, stage: int, m: int, outs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """The header (first microbatch, or every one in evaluation) and payload of a stage's outputs."""
+    def _outgoing(self, send: Action, outs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The header (when the schedule sends one) and payload of a stage's outputs."""
+        stage, m = send.stage, send.microbatch
         metas = [p2p.TensorMeta.of(o) for o in outs]
-        if self._has_header(m):
+        if has_header(send, self.cfg.header_every_microbatch):
             self.sent_metas[stage] = metas
             return [p2p.encode_header(outs).to(self.device), p2p.pack(outs)]
         if metas != self.sent_metas[stage]:
@@ -238,87 +243,103 @@ class _Step:
             )
         return [None, p2p.pack(outs)]
 
-    def send_activation(self, stage: int, m: int) -> None:
-        header, payload = self.outbox.pop((stage, m))
-        for tensor, kind in ((header, _HEADER), (payload, _ACTIVATION)):
-            if tensor is not None:
-                work = p2p.isend(tensor, self._peer(stage + 1), self.cfg.group, self._tag(kind, stage + 1, m))
-                self.sends.append((work, tensor))
+    def exchange(self, batch: Batch) -> None:
+        """Issues one batch of the lowered schedule: every transfer in it, in its order, as one group."""
+        transfers, ops, layouts = [], [], []
+        for t in batch:
+            message = self._message(t)
+            if message is not None:  # None: a gradient message with no tensor that requires grad, at both ends
+                transfers.append(t)
+                ops.append(p2p.Op(t.is_send, message[0], self._peer(t.peer_stage)))
+                layouts.append(message[1])
+        try:
+            works = p2p.exchange(ops, self.cfg.group)
+        except RuntimeError as error:  # gloo: a peer that closed its connection fails the send at once
+            raise PipelineCommunicationError(self._failure(transfers[0], error)) from error
+        for t, op, metas, work in zip(transfers, ops, layouts, works, strict=True):
+            if t.is_send:
+                self.sends.append((t, work, op.tensor))
+            else:
+                self.received[t] = (op.tensor, metas, work)
 
-    def post_activation(self, stage: int, m: int) -> None:
-        """Posts the header receive, or the payload's when this step's shapes on this edge are known."""
-        if self._has_header(m):
-            header = torch.empty(p2p.HEADER_SLOTS, dtype=torch.int64, device=self.device)
-            work = p2p.irecv(header, self._peer(stage - 1), self.cfg.group, self._tag(_HEADER, stage, m))
-            self.headers[(stage, m)] = (header, work)
-        elif stage in self.recv_metas:
-            self._post_payload(stage, m, self.recv_metas[stage])
+    def _message(self, t: Transfer) -> tuple[torch.Tensor, list[p2p.TensorMeta]] | None:
+        """The tensor to send, or the buffer to receive into with its layout."""
+        stage, m = t.action.stage, t.action.microbatch
+        kind = t.action.type
+        if kind is ActionType.SEND_F:
+            header, payload = self.outbox[(stage, m)]
+            if not t.header:
+                del self.outbox[(stage, m)]
+            return (header if t.header else payload), []
+        if kind is ActionType.SEND_B:
+            grads = self.outbox.pop((stage, m))
+            return (p2p.pack(grads), []) if grads else None
+        if kind is ActionType.RECV_F and t.header:
+            return torch.empty(p2p.HEADER_SLOTS, dtype=torch.int64, device=self.device), []
+        if kind is ActionType.RECV_F:
+            metas = self._activation_metas(t)
         else:
-            self.deferred.setdefault(stage, []).append(m)
+            metas = [p2p.TensorMeta.of(o) for o in self.saved[(stage, m)][1] if o.requires_grad]
+            if not metas:
+                return None
+        return p2p.empty_buffer(metas, self.device), metas
 
-    def _receive_header(self, key: tuple[int, int]) -> None:
-        header, work = self.headers.pop(key)
-        work.wait()
-        stage, m = key
-        self.recv_metas[stage] = p2p.decode_header(header.cpu())
-        self._post_payload(stage, m, self.recv_metas[stage])
-        for later in self.deferred.pop(stage, []):
-            self._post_payload(stage, later, self.recv_metas[stage])
-
-    def _post_payload(self, stage: int, m: int, metas: list[p2p.TensorMeta]) -> None:
-        buffer = p2p.empty_buffer(metas, self.device)
-        work = p2p.irecv(buffer, self._peer(stage - 1), self.cfg.group, self._tag(_ACTIVATION, stage, m))
-        self.payloads[(stage, m)] = (buffer, metas, work)
-
-    def _advance(self) -> None:
-        """Posts the payload receive of every arrived header (payloads move during compute); reaps sends."""
-        self.sends = [(work, tensor) for work, tensor in self.sends if not work.is_completed()]
-        for key in [k for k, (_, work) in self.headers.items() if work.is_completed()]:
-            self._receive_header(key)
+    def _activation_metas(self, t: Transfer) -> list[p2p.TensorMeta]:
+        """The payload's layout: from its header (waited for here: it came in an earlier batch) or this step's."""
+        header = header_of(t, self.cfg.header_every_microbatch)
+        if header in self.received:
+            buffer, _, work = self.received.pop(header)
+            self._wait(header, work)
+            self.recv_metas[t.action.stage] = p2p.decode_header(buffer.cpu())
+        return self.recv_metas[t.action.stage]
 
     def _take_activation(self, stage: int, m: int) -> tuple[Any, ...]:
-        if (stage, m) in self.headers:
-            self._receive_header((stage, m))
-        buffer, metas, work = self.payloads.pop((stage, m))
-        work.wait()
+        t = Transfer(Action(stage, ActionType.RECV_F, m))
+        buffer, metas, work = self.received.pop(t)
+        self._wait(t, work)
         tensors = p2p.unpack(buffer, metas)
         if self.cfg.training:
-            for t, meta in zip(tensors, metas, strict=True):
-                t.requires_grad_(meta.requires_grad)
+            for tensor, meta in zip(tensors, metas, strict=True):
+                tensor.requires_grad_(meta.requires_grad)
         return tuple(tensors)
 
-    def send_gradient(self, stage: int, m: int) -> None:
-        grads = self.outbox.pop((stage, m))
-        if grads:
-            payload = p2p.pack(grads)
-            work = p2p.isend(payload, self._peer(stage - 1), self.cfg.group, self._tag(_GRADIENT, stage - 1, m))
-            self.sends.append((work, payload))
-
-    def post_gradient(self, stage: int, m: int) -> None:
-        _, outs = self.saved[(stage, m)]
-        metas = [p2p.TensorMeta.of(o) for o in outs if o.requires_grad]
-        if not metas:
-            self.grads[(stage, m)] = None
-            return
-        buffer = p2p.empty_buffer(metas, self.device)
-        work = p2p.irecv(buffer, self._peer(stage + 1), self.cfg.group, self._tag(_GRADIENT, stage, m))
-        self.grads[(stage, m)] = (buffer, metas, work)
-
     def _take_gradients(self, stage: int, m: int) -> list[torch.Tensor]:
-        posted = self.grads.pop((stage, m))
-        if posted is None:
+        t = Transfer(Action(stage, ActionType.RECV_B, m))
+        if t not in self.received:
             return []
-        buffer, metas, work = posted
-        work.wait()
+        buffer, metas, work = self.received.pop(t)
+        self._wait(t, work)
         return p2p.unpack(buffer, metas)
+
+    def _wait(self, t: Transfer, work: Any) -> None:
+        """Waits for one transfer; a failure or timeout names the action, both stages and the schedule."""
+        try:
+            work.wait()
+        except RuntimeError as error:
+            raise PipelineCommunicationError(self._failure(t, error)) from error
+
+    def _failure(self, t: Transfer, error: RuntimeError) -> str:
+        stage, m, peer = t.action.stage, t.action.microbatch, t.peer_stage
+        what = {
+            ActionType.RECV_F: f"receiving {stage}F{m}'s activation{' header' if t.header else ''} from stage {peer}",
+            ActionType.SEND_F: f"sending {stage}F{m}'s activation{' header' if t.header else ''} to stage {peer}",
+            ActionType.RECV_B: f"receiving {stage}B{m}'s output gradient from stage {peer}",
+            ActionType.SEND_B: f"sending {stage}B{m}'s input gradient to stage {peer}",
+        }[t.action.type]
+        verb = "timed out" if "timed out" in str(error).lower() else "failed"
+        return (
+            f"pipeline stage {stage} (rank {self._peer(stage)} of the pipeline group) {verb} {what} (rank "
+            f"{self._peer(peer)}): {error}\nschedule (compute per rank and step):\n{format_grid(self.schedule)}"
+        )
 
     def finish(self, wait: bool) -> None:
         """Waits for every send (sent tensors must outlive their transfer), then drops the step's state."""
         if wait:
-            for work, _ in self.sends:
-                work.wait()
+            for t, work, _ in self.sends:
+                self._wait(t, work)
         self.sends.clear()
         self.saved.clear()
+        self.received.clear()
 
 
 def _device_of(modules: Sequence[nn.Module]) -> torch.device:

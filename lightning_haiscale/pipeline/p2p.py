@@ -6,11 +6,11 @@ fixed-size ``int64`` header (number of tensors, then per tensor its dtype code, 
 and shape) precedes the payload of microbatch 0 of every step, so a shape that changes between steps (a
 smaller last batch, a new sequence length) is always received exactly, never truncated. Within a
 training step microbatches are even splits of one batch, so later microbatches reuse microbatch 0's
-shapes: their payload receives are posted a compute ahead with no header (a stage whose output shapes
+shapes and travel with no header (a stage whose output shapes
 differ between microbatches of one step is reported by the sender). Evaluation splits may be uneven:
 there every microbatch carries a header. A gradient message needs no header: its receiver sent the
-outputs whose gradients come back; only tensors that require grad have gradients. Every message has its
-own tag, so receives match sends exactly whatever the order they are posted in.
+outputs whose gradients come back; only tensors that require grad have gradients. Messages are matched
+by order, not by tag (NCCL ignores tags): see [Note: communication order] in ``schedule``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import torch.distributed as dist
 
 __all__ = [
     "HEADER_SLOTS",
+    "Op",
     "TensorMeta",
     "decode_header",
     "empty_buffer",
     "encode_header",
-    "irecv",
-    "isend",
+    "exchange",
     "pack",
     "unpack",
 ]
@@ -147,21 +147,35 @@ class _StagedWork:
         return True
 
 
-def _staged(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
-    return tensor.is_cuda and dist.get_backend(group) == dist.Backend.GLOO
+@dataclass(frozen=True)
+class Op:
+    """One send (``is_send``) or receive of ``tensor`` to or from ``peer``, a rank of the group."""
+
+    is_send: bool
+    tensor: torch.Tensor
+    peer: int
 
 
-def isend(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work | _StagedWork:
-    """Sends to ``peer`` (a rank of ``group``) without waiting."""
-    if _staged(tensor, group):
-        host = tensor.cpu()
-        return _StagedWork(dist.isend(host, group=group, tag=tag, group_dst=peer), host, None)
-    return dist.isend(tensor, group=group, tag=tag, group_dst=peer)
+def exchange(ops: Sequence[Op], group: dist.ProcessGroup | None) -> list[dist.Work | _StagedWork]:
+    """Issues ``ops`` as one batch (one NCCL group: they progress together); returns a work per op.
+
+    See [Note: communication order] in ``schedule``: both ends of a link issue their ops in the same order.
+    """
+    if not ops:
+        return []
+    staged = ops[0].tensor.is_cuda and dist.get_backend(group) == dist.Backend.GLOO
+    wire = [_host(op.tensor, op.is_send) if staged else op.tensor for op in ops]
+    p2p_ops = [
+        dist.P2POp(dist.isend if op.is_send else dist.irecv, t, group=group, group_peer=op.peer)
+        for op, t in zip(ops, wire, strict=True)
+    ]
+    works = dist.batch_isend_irecv(p2p_ops)
+    if len(works) != len(ops):  # a coalescing backend (NCCL) returns one work for the whole batch
+        works = [works[-1]] * len(ops)
+    if not staged:
+        return list(works)
+    return [_StagedWork(w, t, None if op.is_send else op.tensor) for op, t, w in zip(ops, wire, works, strict=True)]
 
 
-def irecv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work | _StagedWork:
-    """Posts a receive from ``peer`` (a rank of ``group``); wait on the returned work."""
-    if _staged(tensor, group):
-        host = torch.empty(tensor.shape, dtype=tensor.dtype)
-        return _StagedWork(dist.irecv(host, group=group, tag=tag, group_src=peer), host, tensor)
-    return dist.irecv(tensor, group=group, tag=tag, group_src=peer)
+def _host(tensor: torch.Tensor, is_send: bool) -> torch.Tensor:
+    return tensor.cpu() if is_send else torch.empty(tensor.shape, dtype=tensor.dtype)

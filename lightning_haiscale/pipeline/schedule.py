@@ -138,26 +138,99 @@ def _check_single_chunk(name: str, model_chunks: int) -> None:
 
 
 def add_communication(compute: dict[int, list[Action]], num_stages: int) -> dict[int, list[Action]]:
-    """Inserts sends after each compute and posts each receive one compute ahead, so it overlaps work.
+    """Inserts every send and receive where both ends of its link issue it in the same order.
 
-    A receive of gradients is not lifted above the forward of the same microbatch (its shapes come from
-    that forward's outputs).
+    See [Note: communication order]. Raises ``RuntimeError`` with the grid when the compute orders
+    deadlock (a forward or backward waits for a message that is never sent before it).
     """
+    rounds = compute_rounds(compute, num_stages)
+    placed: dict[int, list[list[tuple[tuple[int, int, int, int], Action]]]] = {
+        rank: [[] for _ in range(len(actions) + 1)] for rank, actions in compute.items()
+    }
+    for rank, actions in compute.items():
+        for action, at in zip(actions, rounds[rank], strict=True):
+            for send in _sends(action, num_stages):
+                _place(placed, compute, rounds, rank, at, send)
+            receive = _message_of(action, num_stages)
+            if receive is not None:
+                peer_stage = action.stage - 1 if action.type is F else action.stage + 1
+                peer = _rank_of_stage(compute, peer_stage)
+                _place(placed, compute, rounds, rank, rounds[peer][compute[peer].index(receive)], _recv_for(action))
     schedule: dict[int, list[Action]] = {}
     for rank, actions in compute.items():
-        out: list[Action] = []
-        pending = _receives(actions[0], num_stages) if actions else []
-        for i, action in enumerate(actions):
-            following = _receives(actions[i + 1], num_stages) if i + 1 < len(actions) else []
-            lift = [r for r in following if not (r.type is ActionType.RECV_B and action == _forward_of(r))]
-            out += pending + lift + [action] + _sends(action, num_stages)
-            pending = [r for r in following if r not in lift]
-        schedule[rank] = out
+        slots = [[a for _, a in sorted(slot, key=lambda item: item[0])] for slot in placed[rank]]
+        schedule[rank] = slots[0] + [
+            a for action, slot in zip(actions, slots[1:], strict=True) for a in [action, *slot]
+        ]
     return schedule
 
 
-def _forward_of(action: Action) -> Action:
-    return Action(action.stage, F, action.microbatch)
+def _place(
+    placed: dict[int, list[list[tuple[tuple[int, int, int, int], Action]]]],
+    compute: dict[int, list[Action]],
+    rounds: dict[int, list[int]],
+    rank: int,
+    at: int,
+    transfer: Action,
+) -> None:
+    """Puts ``transfer`` (of a message sent in round ``at``) after the last compute of ``rank`` in a round <= ``at``."""
+    slot = sum(1 for r in rounds[rank] if r <= at)
+    placed[rank][slot].append(((at, *_message_key(transfer)), transfer))
+
+
+def _message_key(transfer: Action) -> tuple[int, int, int]:
+    """The same key at both ends of a message: (direction, receiving stage, microbatch)."""
+    if transfer.type is ActionType.SEND_F:
+        return (0, transfer.stage + 1, transfer.microbatch)
+    if transfer.type is ActionType.RECV_F:
+        return (0, transfer.stage, transfer.microbatch)
+    if transfer.type is ActionType.SEND_B:
+        return (1, transfer.stage - 1, transfer.microbatch)
+    return (1, transfer.stage, transfer.microbatch)
+
+
+def _rank_of_stage(compute: dict[int, list[Action]], stage: int) -> int:
+    return stage % len(compute)
+
+
+def _message_of(action: Action, num_stages: int) -> Action | None:
+    """The compute on the neighbouring stage whose output ``action`` consumes (``None``: it needs none)."""
+    if action.type is F and action.stage > 0:
+        return Action(action.stage - 1, F, action.microbatch)
+    if action.type is B and action.stage < num_stages - 1:
+        return Action(action.stage + 1, B, action.microbatch)
+    return None
+
+
+def _recv_for(action: Action) -> Action:
+    return Action(action.stage, ActionType.RECV_F if action.type is F else ActionType.RECV_B, action.microbatch)
+
+
+def compute_rounds(compute: dict[int, list[Action]], num_stages: int) -> dict[int, list[int]]:
+    """The round in which each compute runs when every compute takes one round and a message one round.
+
+    Raises ``RuntimeError`` with the grid when no rank can run its next compute (a deadlock).
+    """
+    rounds: dict[int, list[int]] = {rank: [] for rank in compute}
+    finished: dict[Action, int] = {}
+    now = 0
+    while any(len(rounds[r]) < len(compute[r]) for r in compute):
+        ran = []
+        for rank, actions in compute.items():
+            if len(rounds[rank]) == len(actions):
+                continue
+            action = actions[len(rounds[rank])]
+            needed = _message_of(action, num_stages)
+            if needed is None or finished.get(needed, now) < now:
+                ran.append((rank, action))
+        if not ran:
+            stuck = {r: str(compute[r][len(rounds[r])]) for r in compute if len(rounds[r]) < len(compute[r])}
+            raise RuntimeError(f"schedule deadlocks; blocked actions by rank: {stuck}\n{format_grid(compute)}")
+        for rank, action in ran:
+            rounds[rank].append(now)
+            finished[action] = now
+        now += 1
+    return rounds
 
 
 def _receives(action: Action, num_stages: int) -> list[Action]:
@@ -186,7 +259,8 @@ def build_schedule(
     compute = {r: order(r, num_ranks, chunks, model_chunks) for r in range(num_ranks)}
     schedule = add_communication(compute, num_stages)
     validate(schedule, num_ranks, num_stages, chunks, forward_only=forward_only)
-    simulate(schedule, num_stages)
+    for header_every_microbatch in (True,) if forward_only else (False, True):
+        simulate(schedule, num_stages, header_every_microbatch)
     return schedule
 
 
@@ -220,43 +294,173 @@ def validate(
         raise ValueError(f"{len(missing)} actions are missing, e.g. {Action(s, t, m)}\n{format_grid(schedule)}")
 
 
-def simulate(schedule: dict[int, list[Action]], num_stages: int) -> int:
-    """Runs the schedule with non-blocking sends and receives and blocking computes; returns the rounds.
+@dataclass(frozen=True)
+class Transfer:
+    """One message of a send or receive action: the activation's shape header, or the payload itself."""
 
-    A compute waits until the matching send has been issued. Raises ``RuntimeError`` with the grid when
-    no rank can make progress (a deadlock).
+    action: Action
+    header: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.action}{'.header' if self.header else ''}"
+
+    @property
+    def is_send(self) -> bool:
+        return self.action.type in (ActionType.SEND_F, ActionType.SEND_B)
+
+    @property
+    def peer_stage(self) -> int:
+        """The stage at the other end of the message."""
+        forward = self.action.type in (ActionType.SEND_F, ActionType.RECV_B)
+        return self.action.stage + 1 if forward else self.action.stage - 1
+
+    @property
+    def message(self) -> tuple[int, int, int, bool]:
+        """Identical at both ends of the message (and different for every other message of the step)."""
+        return (*_message_key(self.action), self.header)
+
+
+Batch = tuple[Transfer, ...]
+
+
+def has_header(action: Action, header_every_microbatch: bool) -> bool:
+    """Whether an activation message carries a shape header: microbatch 0's, or every one's when shapes vary."""
+    activation = action.type in (ActionType.SEND_F, ActionType.RECV_F)
+    return activation and (header_every_microbatch or action.microbatch == 0)
+
+
+def header_of(transfer: Transfer, header_every_microbatch: bool) -> Transfer | None:
+    """The header whose arrival the receive ``transfer`` must wait for before it is posted (its buffer's size)."""
+    if transfer.is_send or transfer.header or transfer.action.type is not ActionType.RECV_F:
+        return None
+    m = transfer.action.microbatch if header_every_microbatch else 0
+    return Transfer(Action(transfer.action.stage, ActionType.RECV_F, m), header=True)
+
+
+def lower(actions: list[Action], header_every_microbatch: bool) -> list[Action | Batch]:
+    """One rank's actions as the executor issues them: computes, and batches of transfers issued together.
+
+    Consecutive send and receive actions form one batch; a shape header ends its batch, so that the payload
+    it describes, first in the next batch, is posted once the header has arrived (see [Note: communication
+    order]).
     """
-    position = dict.fromkeys(schedule, 0)
-    sent: set[tuple[ActionType, int, int]] = set()
+    program: list[Action | Batch] = []
+    batch: list[Transfer] = []
+    for action in actions:
+        if action.type.is_compute:
+            program += [tuple(batch), action] if batch else [action]
+            batch = []
+            continue
+        if has_header(action, header_every_microbatch):
+            program.append((*batch, Transfer(action, header=True)))
+            batch = []
+        batch.append(Transfer(action))
+    return [*program, tuple(batch)] if batch else program
+
+
+def simulate(schedule: dict[int, list[Action]], num_stages: int, header_every_microbatch: bool = False) -> int:
+    """Runs the schedule under NCCL's point-to-point rules; returns the number of rounds it took.
+
+    The rules: between two ranks the k-th send meets the k-th receive whatever its tag; each rank runs its
+    batches in the order issued, one at a time, on one stream (a batch completes when every transfer in it
+    met its match); a compute waits for its input's receive; a batch with a payload receive is issued once
+    that payload's header has arrived. Raises ``RuntimeError`` with the grid when a send meets a receive of
+    another message, or when no rank can make progress (a deadlock).
+    """
+    sim = _NcclModel(schedule, num_stages, header_every_microbatch)
     rounds = 0
-    while any(position[r] < len(schedule[r]) for r in schedule):
-        progressed = False
-        for rank, actions in schedule.items():
-            while position[rank] < len(actions):
-                action = actions[position[rank]]
-                if not _ready(action, sent, num_stages):
-                    break
-                if action.type is ActionType.SEND_F:
-                    sent.add((F, action.stage + 1, action.microbatch))
-                elif action.type is ActionType.SEND_B:
-                    sent.add((B, action.stage - 1, action.microbatch))
-                position[rank] += 1
-                progressed = True
-                if action.type.is_compute:
-                    break
-        if not progressed:
-            stuck = {r: str(schedule[r][position[r]]) for r in schedule if position[r] < len(schedule[r])}
-            raise RuntimeError(f"schedule deadlocks; blocked actions by rank: {stuck}\n{format_grid(schedule)}")
+    while not sim.finished():
+        if not sim.step():
+            raise RuntimeError(f"schedule deadlocks under NCCL's rules; {sim.blocked()}\n{format_grid(schedule)}")
         rounds += 1
     return rounds
 
 
-def _ready(action: Action, sent: set[tuple[ActionType, int, int]], num_stages: int) -> bool:
-    if action.type is F and action.stage > 0:
-        return (F, action.stage, action.microbatch) in sent
-    if action.type is B and action.stage < num_stages - 1:
-        return (B, action.stage, action.microbatch) in sent
-    return True
+class _NcclModel:
+    """The state of ``simulate``: each rank's position, its stream of issued batches and each link's queues."""
+
+    def __init__(self, schedule: dict[int, list[Action]], num_stages: int, header_every_microbatch: bool) -> None:
+        self.schedule, self.num_stages, self.every = schedule, num_stages, header_every_microbatch
+        self.programs = {rank: lower(actions, header_every_microbatch) for rank, actions in schedule.items()}
+        self.position = dict.fromkeys(schedule, 0)
+        self.streams: dict[int, list[set[tuple[int, Transfer]]]] = {rank: [] for rank in schedule}
+        self.done: set[tuple[int, Transfer]] = set()
+        self.links: dict[tuple[int, int], tuple[list[Transfer], list[Transfer], list[int]]] = {}
+
+    def finished(self) -> bool:
+        return all(self.position[r] == len(self.programs[r]) and not self.streams[r] for r in self.programs)
+
+    def step(self) -> bool:
+        """One round: every rank issues what it can and runs at most one compute; then transfers complete."""
+        progressed = False
+        for rank, program in self.programs.items():
+            while self.position[rank] < len(program):
+                item = program[self.position[rank]]
+                if not self._ready(rank, item):
+                    break
+                self.position[rank] += 1
+                progressed = True
+                if isinstance(item, Action):
+                    break
+                self._issue(rank, item)
+        return self._complete() or progressed
+
+    def _rank(self, stage: int) -> int:
+        return stage % len(self.schedule)
+
+    def _ready(self, rank: int, item: Action | Batch) -> bool:
+        if isinstance(item, Action):
+            needed = _receives(item, self.num_stages)
+            return all((rank, Transfer(r)) in self.done for r in needed)
+        headers = [header_of(t, self.every) for t in item]
+        return all((rank, h) in self.done for h in headers if h is not None)
+
+    def _issue(self, rank: int, batch: Batch) -> None:
+        self.streams[rank].append({(rank, t) for t in batch})
+        for t in batch:
+            peer = self._rank(t.peer_stage)
+            link = (rank, peer) if t.is_send else (peer, rank)
+            sends, recvs, _ = self.links.setdefault(link, ([], [], [0]))
+            (sends if t.is_send else recvs).append(t)
+
+    def _complete(self) -> bool:
+        """Matches the k-th send and receive of each link while both are in their stream's running batch."""
+        changed, any_change = True, False
+        while changed:
+            changed = False
+            for (src, dst), (sends, recvs, matched) in self.links.items():
+                while matched[0] < min(len(sends), len(recvs)):
+                    send, recv = sends[matched[0]], recvs[matched[0]]
+                    if send.message != recv.message:
+                        raise RuntimeError(
+                            f"schedule mismatches under NCCL's rules: rank {src}'s send #{matched[0]} to rank {dst} is "
+                            f"{send}, but rank {dst}'s receive #{matched[0]} from rank {src} is {recv}\n"
+                            f"{format_grid(self.schedule)}"
+                        )
+                    if not (self._running(src, send) and self._running(dst, recv)):
+                        break
+                    self.done |= {(src, send), (dst, recv)}
+                    matched[0] += 1
+                    changed = True
+            for stream in self.streams.values():
+                while stream and stream[0] <= self.done:
+                    stream.pop(0)
+                    changed = True
+            any_change |= changed
+        return any_change
+
+    def _running(self, rank: int, transfer: Transfer) -> bool:
+        stream = self.streams[rank]
+        return bool(stream) and (rank, transfer) in stream[0]
+
+    def blocked(self) -> str:
+        parts = []
+        for rank, program in self.programs.items():
+            at = self.position[rank]
+            waiting = str(program[at]) if at < len(program) and isinstance(program[at], Action) else "issuing"
+            running = sorted(str(t) for _, t in self.streams[rank][0] - self.done) if self.streams[rank] else []
+            parts.append(f"rank {rank}: next {waiting}, stream waits on {running}")
+        return "; ".join(parts)
 
 
 def live_activation_peak(actions: list[Action]) -> int:

@@ -19,7 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_haiscale.ddp import DistributedDataParallel
-from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, SequentialModel, make_subgroups, partition
+from lightning_haiscale.pipeline import (
+    GPipe,
+    Interleaved1F1B,
+    PipeDream,
+    PipelineCommunicationError,
+    SequentialModel,
+    make_subgroups,
+    partition,
+)
 from tests.distributed import run_distributed
 
 STEPS = [(16, 3), (16, 5), (16, 2), (8, 3), (16, 3)]  # (batch, sequence length) of each step
@@ -186,15 +194,22 @@ def _peer_lost(rank: int, world: int, how: str) -> float:
         time.sleep(6)
         return 0.0
     start = time.monotonic()
-    error = "by peer" if how == "dies" else "Timed out"  # gloo: "Connection closed/reset by peer"
-    with pytest.raises(RuntimeError, match=error):
+    # Stage 0 runs 0F0 and 0F1 (its inputs are local), then waits for 0B0's gradient from stage 1.
+    error = (
+        r"pipeline stage 0 \(rank 0 of the pipeline group\) (timed out|failed) .* stage 1 \(rank 1\): .*by peer"
+        if how == "dies"  # gloo: "Connection closed/reset by peer"
+        else r"pipeline stage 0 \(rank 0 of the pipeline group\) timed out receiving 0B0's output gradient from "
+        r"stage 1 \(rank 1\): .*Timed out(.|\n)*step +rank 0 +rank 1 *\n0 +0F0 +1F0 *\n1 +0F1 +1B0"
+    )
+    with pytest.raises(PipelineCommunicationError, match=error):
         pipe.forward_backward(x, criterion=F.mse_loss, labels=(y,))
     return time.monotonic() - start
 
 
 @pytest.mark.parametrize(("how", "within"), [("dies", 2.0), ("stalls", 5.0)])
 def test_lost_stage_raises_on_its_peer(how: str, within: float) -> None:
-    """A dead stage is seen at once (gloo's closed connection); a stalled one at the group's 3 s timeout."""
+    """A dead stage is seen at once (gloo's closed connection); a stalled one at the group's 3 s timeout.
+    Either error names the stage that waited, the action, the peer stage and prints the schedule."""
     elapsed = run_distributed(_peer_lost, 2, how, may_die={1}, timeout=60)[0]
     assert elapsed < within
 

@@ -5,12 +5,14 @@ import pytest
 from lightning_haiscale.pipeline.schedule import (
     Action,
     ActionType,
+    Transfer,
     add_communication,
     build_schedule,
     format_grid,
     gpipe_order,
     interleaved_order,
     live_activation_peak,
+    lower,
     one_f_one_b_order,
     simulate,
     validate,
@@ -90,10 +92,65 @@ def test_a_deadlocking_order_is_caught_with_the_grid() -> None:
         0: [Action.parse(a) for a in ("0F0", "0B0", "0F1", "0B1")],
         1: [Action.parse(a) for a in ("1F1", "1B1", "1F0", "1B0")],
     }
-    schedule = add_communication(compute, 2)
-    validate(schedule, 2, 2, 2)
     with pytest.raises(RuntimeError, match=r"deadlocks(.|\n)*rank 0"):
+        add_communication(compute, 2)
+
+
+def _parse(schedule: dict[int, str]) -> dict[int, list[Action]]:
+    return {rank: [Action.parse(a) for a in text.split()] for rank, text in schedule.items()}
+
+
+def test_receives_posted_a_compute_ahead_deadlock_under_nccl() -> None:
+    """The previous layout (each receive lifted one compute ahead) for PipeDream on 2 ranks, 2 microbatches:
+    rank 1's receive for 1F1, posted before 1B0, holds its one stream, so the gradient it sends after 1B0
+    queues behind it, while rank 0's send of 0F1 queues behind its receive of that gradient."""
+    schedule = _parse(
+        {
+            0: "0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0B1",
+            1: "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1",
+        }
+    )
+    validate(schedule, 2, 2, 2)
+    with pytest.raises(
+        RuntimeError, match=r"deadlocks under NCCL's rules(.|\n)*rank 1: next 1F1, stream waits on \['1RECV_F1'\]"
+    ):
         simulate(schedule, 2)
+    built = build_schedule(one_f_one_b_order, 2, 2)
+    assert simulate(built, 2) > 0
+
+
+def test_receives_in_another_order_than_the_sends_are_a_mismatch() -> None:
+    schedule = _parse({0: "0F0 0SEND_F0 0F1 0SEND_F1", 1: "1RECV_F1 1RECV_F0 1F0 1F1"})
+    validate(schedule, 2, 2, 2, forward_only=True)
+    with pytest.raises(
+        RuntimeError, match=r"rank 0's send #0 to rank 1 is 0SEND_F0.header.*receive #0.*1RECV_F1.header"
+    ):
+        simulate(schedule, 2, header_every_microbatch=True)
+
+
+def test_both_ends_of_every_link_issue_the_same_messages_in_the_same_order() -> None:
+    for order, model_chunks, ranks, chunks in SCHEDULE_CASES:
+        schedule = build_schedule(order, ranks, chunks, model_chunks)
+        for a in range(ranks):
+            for b in range(ranks):
+                ends = [
+                    [Transfer(x).message for x in schedule[r] if not x.type.is_compute and _link(x, ranks) == (a, b)]
+                    for r in (a, b)
+                ]
+                assert ends[0] == ends[1], (order.__name__, ranks, chunks, a, b)
+
+
+def _link(action: Action, ranks: int) -> tuple[int, int]:
+    t = Transfer(action)
+    me, peer = action.stage % ranks, t.peer_stage % ranks
+    return (me, peer) if t.is_send else (peer, me)
+
+
+def test_a_payload_receive_waits_for_its_header_in_a_batch_of_its_own() -> None:
+    program = lower(_parse({1: "1RECV_F0 1F0 1RECV_F1 1F1"})[1], header_every_microbatch=False)
+    assert [str(i) if isinstance(i, Action) else [str(t) for t in i] for i in program] == [
+        ["1RECV_F0.header"], ["1RECV_F0"], "1F0", ["1RECV_F1"], "1F1",
+    ]  # fmt: skip
 
 
 def test_validate_catches_missing_and_misplaced_actions() -> None:
