@@ -1,10 +1,14 @@
 """The one executor: runs any rank's action list with torch.distributed point-to-point operations.
 
-[Note: executor semantics] Sends are asynchronous (``isend``; waited for at the end of the step); a
-receive action posts an ``irecv`` and the compute that needs it waits. This is exactly the model
-``schedule.simulate`` proves deadlock-free. Forwards on stage ``s`` keep ``(inputs, outputs)`` until the
-backward of the same microbatch, so the number of live microbatches per stage is the schedule's
-``live_activation_peak``; ``peak_live`` records what was observed.
+[Note: executor semantics] The executor runs ``schedule.lower``'s program for its rank: a compute, or a
+batch of transfers issued as one ``batch_isend_irecv`` (see [Note: communication order] in ``schedule``).
+Sends are asynchronous (waited for at the end of the step, reaped as they complete); a compute waits for
+the receive of its input; a payload receive is posted once its header has arrived. This is exactly the
+model ``schedule.simulate`` proves runs under NCCL's rules. A transfer that fails or times out raises
+``PipelineCommunicationError`` naming the stage, the action, the peer stage and the schedule's grid.
+Forwards on stage ``s`` keep ``(inputs, outputs)`` until the backward of the same microbatch, so the
+number of live microbatches per stage is the schedule's ``live_activation_peak``; ``peak_live`` records
+what was observed.
 
 [Note: data-parallel stages] A stage module with ``no_sync()`` (a data-parallel wrapper such as
 ``lightning_haiscale.ddp.DistributedDataParallel``) runs every backward but its last of the step inside

@@ -6,11 +6,11 @@ fixed-size ``int64`` header (number of tensors, then per tensor its dtype code, 
 and shape) precedes the payload of microbatch 0 of every step, so a shape that changes between steps (a
 smaller last batch, a new sequence length) is always received exactly, never truncated. Within a
 training step microbatches are even splits of one batch, so later microbatches reuse microbatch 0's
-shapes and travel with no header (a stage whose output shapes
-differ between microbatches of one step is reported by the sender). Evaluation splits may be uneven:
-there every microbatch carries a header. A gradient message needs no header: its receiver sent the
-outputs whose gradients come back; only tensors that require grad have gradients. Messages are matched
-by order, not by tag (NCCL ignores tags): see [Note: communication order] in ``schedule``.
+shapes and travel without a header (a stage whose output shapes differ between microbatches of one step
+is reported by the sender). Uneven splits (evaluation, an uneven last batch) send a header with every
+microbatch. A gradient message needs no header: its receiver sent the outputs whose gradients come
+back; only tensors that require grad have gradients. Messages are matched by order, not by tag (NCCL
+ignores tags): see [Note: communication order] in ``schedule``.
 """
 
 from __future__ import annotations

@@ -3,10 +3,30 @@
 A schedule is ``dict[rank, list[Action]]``. The compute orders (``gpipe_order``, ``one_f_one_b_order``,
 ``interleaved_order``, ``forward_only_order``) say when each rank runs which stage's forward or backward;
 ``add_communication`` inserts the sends and receives; ``validate`` and ``simulate`` prove the result is
-complete and cannot deadlock; ``format_grid`` prints it (the executor logs it when a step fails).
+complete and runs under NCCL's point-to-point rules; ``format_grid`` prints it (the executor logs it when a step fails).
 
 Stages are *virtual*: with ``P`` ranks and ``V`` model chunks there are ``S = P * V`` stages and stage
 ``s`` lives on rank ``s % P`` as that rank's chunk ``s // P`` (Megatron's interleaved layout).
+
+[Note: communication order] The schedule must run on NCCL, whose point-to-point rules are strict: tags
+are ignored (between two ranks the k-th send meets the k-th receive), and a rank runs its transfers on
+one stream in the order it issued them (a ``batch_isend_irecv`` group runs as one; it completes when each
+transfer in it has met its match). A receive posted early therefore blocks every later send of its rank,
+and the two ends of a link must issue its messages, in both directions, in one order. So:
+
+- ``compute_rounds`` gives every compute a round (each compute and each message takes one round), and a
+  message belongs to the round of the compute that produced it.
+- ``add_communication`` puts each send and receive after its rank's last compute of a round up to the
+  message's, and orders the transfers between two computes by (round, direction, receiving stage,
+  microbatch): the same key at both ends, so each link's messages come in one order at both.
+- ``lower`` turns a rank's actions into what the executor issues: computes, and batches (one
+  ``batch_isend_irecv`` each) of the transfers between them. A shape header ends its batch; the payload
+  it describes opens the next, which the receiver issues once the header has arrived (it sizes the
+  buffer). Headers go with microbatch 0 of each edge, or with every microbatch when shapes vary.
+- ``simulate`` runs the lowered schedule under the rules above and raises on a mismatch or a deadlock;
+  ``build_schedule`` calls it, so a schedule that cannot run on NCCL fails when a pipeline is built.
+
+gloo is matched the same way (every message has tag 0), so gloo runs exercise the same order.
 """
 
 from __future__ import annotations
@@ -19,13 +39,19 @@ from dataclasses import dataclass
 __all__ = [
     "Action",
     "ActionType",
+    "Batch",
+    "Transfer",
     "add_communication",
     "build_schedule",
+    "compute_rounds",
     "format_grid",
     "forward_only_order",
     "gpipe_order",
+    "has_header",
+    "header_of",
     "interleaved_order",
     "live_activation_peak",
+    "lower",
     "one_f_one_b_order",
     "simulate",
     "validate",
