@@ -2,9 +2,15 @@
 
     python benchmarks/gpu_check.py [--only engine,offload] [--json PATH]
 
-Two processes share the one GPU (gloo process group; the engine does the reductions). Prints one
-table and exits non-zero on any mismatch. Without a GPU it says so and exits 0. The parity checks take
-a device, so the test suite runs them on CPU too (the script's own logic is tested where no GPU is).
+Two processes share the one GPU (gloo process group; the engine does the reductions). Checks: the engine's
+CUDA all-reduce (one host, and two simulated hosts: the hierarchical path); plain hai_ddp and PipeDream
+parity; a Lightning Trainer fit of every strategy on 1 and 2 processes (DP x PP on 4) in 32-true, 16-mixed
+and bf16-mixed, with the pipelines' evaluation, Interleaved1F1B, GPipe with checkpointing, no_sync and
+find_unused_parameters (``benchmarks/gpu_fit.py``); a stream-race mode (GPU sleeps before collectives and
+in a backward hook, a step on a non-default stream); the suite's ``pytest -m gpu`` tests; the offload
+benchmark. Prints one table and exits non-zero on any mismatch. Without a GPU it says so and exits 0. The
+parity checks take a device, so the test suite runs them on CPU too (the script's own logic is tested where
+no GPU is).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import gpu_fit  # noqa: E402
 from lightning_haiscale.hfreduce import Communicator  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
@@ -134,10 +141,51 @@ def _ddp_worker(rank: int, world: int, device: str) -> float:
     )
 
 
-def check_ddp(device: str = "cuda") -> list[Row]:
-    error = max(run_distributed(_ddp_worker, 2, device, timeout=300))
-    check = f"hai_ddp {device} parity vs one process (tiny GPT, 5 SGD steps)"
+def check_ddp(device: str = "cuda", node_ids: list[str] | None = None) -> list[Row]:
+    error = max(run_distributed(_ddp_worker, 2, device, node_ids=node_ids, timeout=300))
+    hosts = " on 2 simulated hosts (hierarchical path)" if node_ids else ""
+    check = f"hai_ddp {device} parity vs one process{hosts} (tiny GPT, 5 SGD steps)"
     return [Row(check, error < 1e-4, f"max rel err {error:.1e}")]
+
+
+def _hierarchical_engine_worker(rank: int, world: int) -> list[str]:
+    torch.cuda.set_device(0)
+    comm = Communicator()
+    mismatches = []
+    for n in (7, 4097, 3 << 20):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(rank * 7 + n)).cuda()
+        expected = _gathered_sum(x, world)
+        comm.all_reduce(x)
+        if not torch.allclose(x.cpu(), expected, rtol=1e-6, atol=1e-6):
+            mismatches.append(f"all_reduce n={n}")
+    out = torch.full((world * 5,), float("nan"), device="cuda")
+    comm.all_gather(out, torch.full((5,), float(rank), device="cuda"))
+    if not torch.equal(out.cpu(), torch.arange(world).repeat_interleave(5).float()):
+        mismatches.append("all_gather")
+    piece = torch.empty(5, device="cuda")
+    comm.reduce_scatter(piece, torch.arange(world * 5, dtype=torch.float32, device="cuda"))
+    if not torch.equal(piece.cpu(), torch.arange(rank * 5, rank * 5 + 5).float() * world):
+        mismatches.append("reduce_scatter")
+    comm.close()
+    return mismatches
+
+
+def check_hierarchical() -> list[Row]:
+    """The engine's cross-host path with CUDA tensors: 2 ranks on GPU 0 posing as 2 hosts (HFREDUCE_NODE_ID)."""
+    hosts = ["a", "b"]
+    found = run_distributed(_hierarchical_engine_worker, 2, node_ids=hosts, timeout=300)
+    mismatches = sorted({m for r in found for m in r})
+    rows = [Row("engine CUDA collectives across 2 simulated hosts", not mismatches, ", ".join(mismatches) or "ok")]
+    return rows + check_ddp("cuda", node_ids=hosts)
+
+
+def check_fit(device: str = "cuda") -> list[Row]:
+    """Trainer fits of every strategy, every precision, on 1, 2 and 4 processes sharing the GPU."""
+    return [Row(*row) for row in gpu_fit.fit_rows(device, (1, 2, 4), gpu_fit.PRECISIONS)]
+
+
+def check_race(device: str = "cuda") -> list[Row]:
+    return [Row(*row) for row in gpu_fit.race_rows(device)]
 
 
 def _pipeline_worker(rank: int, world: int, device: str) -> float:
@@ -187,7 +235,8 @@ def check_gpu_tests() -> list[Row]:
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
     if proc.returncode != 0:
         print(proc.stdout[-6000:])
-    return [Row("pytest -m gpu tests (hai_fsdp CUDA parity, offload CUDA paths)", proc.returncode == 0, tail)]
+    label = "pytest -m gpu tests (hai_fsdp CUDA parity, engine staging, CUDA double accumulation, offload)"
+    return [Row(label, proc.returncode == 0, tail)]
 
 
 def check_offload() -> list[Row]:
@@ -206,6 +255,9 @@ CHECKS: dict[str, Callable[[], list[Row]]] = {
     "engine": check_engine,
     "ddp": check_ddp,
     "pipeline": check_pipeline,
+    "hierarchical": check_hierarchical,
+    "fit": check_fit,
+    "race": check_race,
     "gpu_tests": check_gpu_tests,
     "offload": check_offload,
 }
