@@ -30,7 +30,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PIP) install -q "matplotlib>=3.7" || echo "matplotlib unavailable: the chart is skipped"
-	$(PY) benchmarks/report.py
+	$(PY) -m benchmarks.report
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

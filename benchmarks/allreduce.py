@@ -1,6 +1,6 @@
 """All-reduce: the hfreduce engine against gloo, side by side in the same processes.
 
-    python benchmarks/allreduce.py --world 2 [--min 4K --max 256M] [--json results.json]
+    python -m benchmarks.allreduce --world 2 [--min 4K --max 256M] [--json results.json]
 
 For each size (fp32), each rank times gloo's ``all_reduce``, the engine on an ordinary tensor, and the
 engine on an ``alloc_buffer`` tensor (zero-copy). Reported: median over repetitions of the slowest
@@ -22,11 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lightning_haiscale.hfreduce import Communicator, simd_level
-from tests.distributed import free_port
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -132,7 +130,7 @@ def main() -> int:
         sizes.append(size)
         size *= 4
     out = Path(f"/tmp/allreduce-{os.getpid()}.json")
-    mp.spawn(worker, args=(args.world, free_port(), sizes, args.reps, out), nprocs=args.world)
+    mp.spawn(worker, args=(args.world, find_free_network_port(), sizes, args.reps, out), nprocs=args.world)
     rows = json.loads(out.read_text())
     out.unlink()
     print(

@@ -1,6 +1,6 @@
 """One GPU validation run: the CUDA paths of every technique on one NVIDIA GPU, in under 8 minutes.
 
-    python benchmarks/gpu_check.py [--only engine,offload] [--json PATH]
+    python -m benchmarks.gpu_check [--only engine,offload] [--json PATH]
 
 Two processes share the one GPU (gloo process group; the engine does the reductions). Checks: the engine's
 CUDA all-reduce (one host, and two simulated hosts: the hierarchical path); plain hai_ddp and PipeDream
@@ -30,12 +30,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import gpu_fit
+from lightning_haiscale.hfreduce import Communicator
+from lightning_haiscale.testing import run_distributed
 
-from benchmarks import gpu_fit  # noqa: E402
-from lightning_haiscale.hfreduce import Communicator  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -240,10 +239,14 @@ def check_gpu_tests() -> list[Row]:
 
 
 def check_offload() -> list[Row]:
-    script = ROOT / "benchmarks" / "offload_gpu.py"
     out = Path("/tmp/offload_gpu.json")
     proc = subprocess.run(
-        [sys.executable, str(script), "--json", str(out)], capture_output=True, text=True, timeout=480, check=False
+        [sys.executable, "-m", "benchmarks.offload_gpu", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        cwd=ROOT,
+        check=False,
     )
     print(proc.stdout)
     if proc.returncode != 0:

@@ -40,7 +40,7 @@ from lightning_haiscale.strategies import (
     Interleaved1F1BStrategy,
     PipeDreamStrategy,
 )
-from tests.distributed import run_distributed
+from lightning_haiscale.testing import run_distributed
 from tests.strategies.test_pipeline_strategies import BATCH, Classifier, data, reference
 
 STEPS = 4

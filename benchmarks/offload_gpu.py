@@ -1,6 +1,6 @@
 """Activation offload on one GPU: ``CPUOffload`` at several ratios against ``save_on_cpu(pin_memory=True)``.
 
-    python benchmarks/offload_gpu.py [--json results.json]
+    python -m benchmarks.offload_gpu [--json results.json]
 
 GPT-2 Medium (24 layers, d_model 1024, 16 heads, vocab 50257), batch 8, context 1024, bf16 autocast. For
 each column: forward (with the loss) inside the region, backward outside it, gradients kept allocated
@@ -26,9 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.gpt.model import GPT, config, lm_loss
 from lightning_haiscale.cpu_offload import CPUOffload, reset_offload_stats

@@ -1,6 +1,6 @@
 """Hook overhead of ``CPUOffload`` per saved tensor, on CPU, against ``torch.autograd.graph.save_on_cpu()``.
 
-    python benchmarks/offload_overhead.py [--model gpt|mlp] [--json results.json]
+    python -m benchmarks.offload_overhead [--model gpt|mlp] [--json results.json]
 
 A model that saves many small tensors (the tiny GPT of ``examples/gpt`` at batch 1 x 32, or a deep
 narrow MLP) runs forward and backward under each column, the columns taking turns step by step so that
@@ -32,9 +32,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.gpt.model import GPT, config, lm_loss
 from lightning_haiscale.cpu_offload import CPUOffload, reset_offload_stats

@@ -1,6 +1,6 @@
 """``make bench``: every technique beside its peer in one run; writes RESULTS.md's summary and results.png.
 
-    python benchmarks/report.py [--quick] [--only allreduce,ddp,fsdp,pipeline,offload_hooks,offload]
+    python -m benchmarks.report [--quick] [--only allreduce,ddp,fsdp,pipeline,offload_hooks,offload]
 
 Each benchmark runs as its own subprocess (its log under ``benchmarks/logs/``) and writes rows as JSON:
 ``technique, config, ours, peer, metric, ours_value, peer_value`` (higher is better) and, where measured,
@@ -42,19 +42,19 @@ class Run:
 def runs(quick: bool) -> list[Run]:
     repeats = ["--repeats", "1"] if quick else []
     return [
-        Run("allreduce", ["allreduce.py", "--world", "2", "--min", "4K", "--max", "64M"], 15),
-        Run("ddp", ["strategies.py", "ddp", *repeats], 110 if quick else 200),
-        Run("fsdp", ["strategies.py", "fsdp", *repeats], 150 if quick else 280),
-        Run("pipeline", ["strategies.py", "pipeline"], 55),
-        Run("offload_hooks", ["offload_overhead.py"], 12),
-        Run("offload", ["offload_gpu.py"], 120, needs_cuda=True),
+        Run("allreduce", ["allreduce", "--world", "2", "--min", "4K", "--max", "64M"], 15),
+        Run("ddp", ["strategies", "ddp", *repeats], 110 if quick else 200),
+        Run("fsdp", ["strategies", "fsdp", *repeats], 150 if quick else 280),
+        Run("pipeline", ["strategies", "pipeline"], 55),
+        Run("offload_hooks", ["offload_overhead"], 12),
+        Run("offload", ["offload_gpu"], 120, needs_cuda=True),
     ]
 
 
 def run_one(run: Run, logs: Path) -> list[dict]:
     """Runs one benchmark with a progress bar of its expected duration; returns its JSON rows."""
     out, log = logs / f"{run.name}.json", logs / f"{run.name}.log"
-    cmd = [sys.executable, str(HERE / run.args[0]), *run.args[1:], "--json", str(out)]
+    cmd = [sys.executable, "-m", f"benchmarks.{run.args[0]}", *run.args[1:], "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     start = time.monotonic()
     with log.open("w") as sink, tqdm(total=run.expected_s, desc=run.name, unit="s", leave=True) as bar:
@@ -178,7 +178,7 @@ def main() -> int:
             print(f"{run.name}: skipped (needs a GPU)")
             continue
         rows += run_one(run, logs)
-    command = "python benchmarks/report.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.report " + " ".join(sys.argv[1:])
     write_results(summary(rows, command.strip()))
     chart(rows, HERE / "results.png")
     print(summary(rows, command.strip()))

@@ -1,6 +1,6 @@
 """hai_ddp vs Lightning's "ddp" (gloo) on the GPT example, side by side in one run.
 
-    flock /tmp/lhs-bench.lock python benchmarks/strategies.py ddp [--configs compute,comm,comm_adamw] [--repeats 1]
+    flock /tmp/lhs-bench.lock python -m benchmarks.strategies ddp [--configs compute,comm,comm_adamw] [--repeats 1]
 
 Every (config, strategy) pair trains in 2 fresh processes with one thread each, on the same data and
 steps; samples/s is measured after the warm-up steps, peak RSS is each rank's ``ru_maxrss``. Configs:
@@ -38,7 +38,7 @@ from torch import nn
 from examples.gpt.data import GPTDataModule
 from examples.gpt.lightning_module import GPTLightningModule
 from examples.gpt.model import config
-from tests.distributed import run_distributed
+from lightning_haiscale.testing import run_distributed
 
 STRATEGIES = ("ddp", "hai_ddp", "no_comm")
 

@@ -1,7 +1,7 @@
 """hai_fsdp against FSDP2 (``ModelParallelStrategy`` + ``fully_shard``) and FSDP1 (``FSDPStrategy`` on the
 CPU) on the GPT example, 2 processes: steady samples/s and peak RSS per rank, in the same run.
 
-    python benchmarks/strategies.py fsdp [--configs comm,compute] [--strategies hai_fsdp,fsdp2,fsdp1]
+    python -m benchmarks.strategies fsdp [--configs comm,compute] [--strategies hai_fsdp,fsdp2,fsdp1]
 
 Each (config, strategy) pair runs in 2 fresh processes, so peak RSS (``ru_maxrss``) is that run's own.
 All three build the model on the meta device and materialize it sharded (each its own way), train

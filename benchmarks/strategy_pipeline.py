@@ -1,5 +1,5 @@
 """Our GPipe / PipeDream / Interleaved1F1B against torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B /
-ScheduleInterleaved1F1B on the same GPT stages, 2 processes (gloo): ``python benchmarks/strategies.py pipeline``.
+ScheduleInterleaved1F1B on the same GPT stages, 2 processes (gloo): ``python -m benchmarks.strategies pipeline``.
 
 Every (schedule, implementation) runs in a fresh pair of processes, so the first stage's peak RSS is its own.
 Reported per run: samples/s (median step time after warm-up), the first stage's peak RSS, and the first
