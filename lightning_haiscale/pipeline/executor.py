@@ -150,6 +150,10 @@ class _Step:
         self.recv_metas: dict[int, list[p2p.TensorMeta]] = {}
         self.sends: list[tuple[Transfer, Any, torch.Tensor]] = []
         self.last_backward = {a.stage: a.microbatch for a in actions if a.type is ActionType.BACKWARD}
+        if config.grad_scaler is not None and config.training:
+            # Only the last stage scales a loss, but every stage steps with the scaler (its gradients arrive
+            # scaled): a scaler creates its scale on first use, so use it here on every stage.
+            config.grad_scaler.scale(torch.zeros((), device=self.device))
 
     def run(self, item: Action | Batch) -> None:
         if not isinstance(item, Action):
