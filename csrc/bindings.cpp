@@ -7,9 +7,12 @@
 #include "communicator.h"
 
 namespace py = pybind11;
+using hfreduce::Collective;
 using hfreduce::Communicator;
 using hfreduce::Config;
 using hfreduce::DType;
+using hfreduce::ErrorKind;
+using hfreduce::Fingerprint;
 using hfreduce::SharedBuffer;
 using hfreduce::Work;
 
@@ -40,6 +43,24 @@ double checked_divisor(DType dtype, double divisor) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hfreduce-style shared-memory collective engine (no torch inside; see lightning_haiscale.hfreduce)";
   m.def("simd_level", &hfreduce::simd_level);
+  py::register_exception<hfreduce::ShmFullError>(m, "ShmFullError", PyExc_MemoryError);
+
+  py::enum_<ErrorKind>(m, "ErrorKind", py::arithmetic())
+      .value("NONE", ErrorKind::kNone)
+      .value("TIMEOUT", ErrorKind::kTimeout)
+      .value("PEER_DIED", ErrorKind::kPeerDied)
+      .value("OTHER", ErrorKind::kOther)
+      .value("MISMATCH", ErrorKind::kMismatch);
+
+  py::enum_<Collective>(m, "Collective")
+      .value("ALL_REDUCE", Collective::kAllReduce)
+      .value("ALL_REDUCE_BUFFER", Collective::kAllReduceBuffer)
+      .value("REDUCE_SCATTER", Collective::kReduceScatter)
+      .value("ALL_GATHER", Collective::kAllGather)
+      .value("BROADCAST", Collective::kBroadcast)
+      .value("BARRIER", Collective::kBarrier)
+      .value("DISAGREED_ELSEWHERE", Collective::kDisagreedElsewhere);
+
   m.def(
       "reduce",
       [](int32_t dtype, uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, double divisor) {
@@ -53,10 +74,29 @@ PYBIND11_MODULE(_C, m) {
       },
       "Sums arrays element-wise into dst (test hook for the SIMD kernels).");
 
+  py::class_<Fingerprint>(m, "Fingerprint")
+      .def(py::init([](Collective collective, int32_t dtype, size_t count, uint64_t arg, double divisor) {
+             Fingerprint call;
+             call.collective = collective;
+             call.dtype = static_cast<uint8_t>(hfreduce::dtype_from_code(dtype));
+             call.divisor = static_cast<float>(checked_divisor(hfreduce::dtype_from_code(dtype), divisor));
+             call.count = count;
+             call.arg = arg;
+             return call;
+           }),
+           py::arg("collective"), py::arg("dtype"), py::arg("count"), py::arg("arg") = 0, py::arg("divisor") = 1.0)
+      .def_readonly("collective", &Fingerprint::collective)
+      .def_property_readonly("dtype", [](const Fingerprint& f) { return static_cast<int32_t>(f.dtype); })
+      .def_readonly("count", &Fingerprint::count)
+      .def_readonly("arg", &Fingerprint::arg)
+      .def_readonly("divisor", &Fingerprint::divisor)
+      .def("__eq__", &Fingerprint::operator==)
+      .def("describe", &Fingerprint::describe);
+
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &Work::is_completed)
-      .def("error_kind", [](Work& w) { return static_cast<int>(w.error_kind()); })
+      .def("error_kind", [](Work& w) { return static_cast<int>(w.error_kind()); })  // an ErrorKind value
       .def("error_message", &Work::error_message)
       .def("error_ranks", &Work::error_ranks);
 
@@ -142,5 +182,7 @@ PYBIND11_MODULE(_C, m) {
              return c.broadcast(const_cast<void*>(as_ptr(buffer, count, "tensor")), count, dt, root, blocking);
            },
            py::arg("buffer"), py::arg("count"), py::arg("dtype"), py::arg("root"), py::arg("blocking") = false)
-      .def("barrier", &Communicator::barrier, py::arg("blocking") = false, py::call_guard<py::gil_scoped_release>());
+      .def("barrier", &Communicator::barrier, py::arg("blocking") = false, py::call_guard<py::gil_scoped_release>())
+      .def("agree", &Communicator::agree, py::arg("call"), py::arg("blocking") = false,
+           py::call_guard<py::gil_scoped_release>());
 }

@@ -1,5 +1,6 @@
 #include "communicator.h"
 
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/syscall.h>
@@ -24,17 +25,33 @@ namespace hfreduce {
 // arrived at. Counters only grow (compared modulo 2^32), so there is no reset phase and no 3-state
 // rotation. To pass barrier g a rank publishes seq = g and waits until every peer's seq >= g.
 //
-//   step | publisher (rank p)              | waiter (rank q, waiting for p)
-//   -----+---------------------------------+---------------------------------------------------
-//    1   | writes its data (plain stores)  | spins `spin_iters` times on seq[p] (acquire loads)
-//    2   | seq[p].store(g)      (seq_cst)  | sleepers[p] += 1                        (seq_cst)
-//    3   | if sleepers[p] > 0: futex_wake  | if seq[p] < g: futex_wait(seq[p], seen, 100 ms)
-//    4   |                                 | sleepers[p] -= 1; on each wake-up: deadline, pid alive?
+//   step | publisher (rank p)                   | waiter (rank q, waiting for p)
+//   -----+--------------------------------------+----------------------------------------------------
+//    1   | writes its data (plain stores); at a | spins `spin_iters` times on seq[p] (acquire loads)
+//        | collective's first barrier also its  |
+//        | fingerprint calls[p][c % 2]          |
+//    2   | seq[p].store(g)      (seq_cst)       | sleepers[p] += 1                        (seq_cst)
+//    3   | if sleepers[p] > 0: futex_wake       | if seq[p] < g: futex_wait(seq[p], seen, 100 ms)
+//    4   |                                      | sleepers[p] -= 1; on each wake-up: deadline, pid alive?
+//    5   |                                      | at a first barrier: calls[p][c % 2] == its own call?
 //
 // The seq_cst pair (store seq / load sleepers) against (add sleepers / load seq) guarantees that either
 // the publisher sees a sleeper and wakes it, or the waiter sees the new seq and does not sleep; the
 // futex compares the word atomically with `seen` as a second guard. The release semantics of step 2
 // publish the data of step 1; the waiter's acquire load makes it visible.
+//
+// [Note: agreement check]
+// Ranks that call different collectives (sizes, dtypes, ops, roots, kinds) must fail, never read each
+// other's data as if it were theirs. Each collective's first barrier carries a Fingerprint of the call
+// (what, dtype, count, op, root or offset; 24 bytes, in the rank's own header line beside `seq`, so
+// the waiter's cache miss on `seq` brings it too). After passing that barrier, before reading any
+// peer's data, each rank compares every peer's fingerprint with its own; on any difference every rank
+// raises (each sees at least one fingerprint unlike its own), naming every rank's call. Collective c
+// uses slot c % 2: a rank writes slot c % 2 again only for collective c + 2, after passing collective
+// c + 1's first barrier, which every peer reaches only after it compared collective c's fingerprints.
+// No sequence number is stored: while every earlier collective agreed, all ranks made the same
+// calls and so passed the same barriers, so collective c's first barrier is generation g on every rank.
+// A collective with nothing to move still takes that one barrier, so `count=0` against `count=5` fails.
 //
 // [Note: staging buffers]
 // Chunks are staged in three sets of per-rank slots used in rotation. A rank writes a set again only
@@ -54,7 +71,9 @@ struct alignas(64) PeerState {
   std::atomic<uint32_t> seq;
   std::atomic<uint32_t> sleepers;
   std::atomic<int32_t> pid;
+  Fingerprint calls[2];  // published by `seq`; see [Note: agreement check]
 };
+static_assert(sizeof(PeerState) == 64, "a rank's barrier state and fingerprints share one cache line");
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
@@ -70,10 +89,59 @@ inline void cpu_relax() {
 
 bool reached(uint32_t seq, uint32_t generation) { return static_cast<int32_t>(seq - generation) >= 0; }
 
-bool process_alive(int32_t pid) { return pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH; }
+// Whether `pid` runs. kill(pid, 0) also succeeds on a zombie (exited, not yet reaped by its parent, e.g.
+// under a launcher whose main thread is busy), so the state letter in /proc/<pid>/stat is read too.
+bool process_alive(int32_t pid) {
+  if (pid <= 0) return true;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno != ENOENT;
+  char text[512];
+  const ssize_t n = read(fd, text, sizeof(text) - 1);
+  close(fd);
+  if (n <= 0) return true;
+  text[n] = '\0';
+  const char* end_of_name = std::strrchr(text, ')');  // "pid (comm) S ...": comm may hold spaces and ')'
+  if (end_of_name == nullptr || end_of_name[1] == '\0' || end_of_name[2] == '\0') return true;
+  const char state = end_of_name[2];
+  return state != 'Z' && state != 'X';
+}
+
+const char* collective_name(Collective collective) {
+  switch (collective) {
+    case Collective::kAllReduce:
+      return "all_reduce";
+    case Collective::kAllReduceBuffer:
+      return "all_reduce of a shared buffer";
+    case Collective::kReduceScatter:
+      return "reduce_scatter";
+    case Collective::kAllGather:
+      return "all_gather";
+    case Collective::kBroadcast:
+      return "broadcast";
+    case Collective::kBarrier:
+      return "barrier";
+    case Collective::kDisagreedElsewhere:
+      return "a collective that ranks on other hosts called differently";
+    case Collective::kNone:
+      break;
+  }
+  return "nothing";
+}
 
 // Element range [begin, end) of `rank`'s slice when `count` elements are split over `parts` ranks;
 // boundaries fall on cache lines so no two ranks write the same line.
+Fingerprint fingerprint(Collective collective, DType dtype, size_t count, uint64_t arg, double divisor) {
+  Fingerprint call;
+  call.collective = collective;
+  call.dtype = static_cast<uint8_t>(dtype);
+  call.divisor = static_cast<float>(divisor);
+  call.count = count;
+  call.arg = arg;
+  return call;
+}
+
 std::pair<size_t, size_t> slice(size_t count, int parts, int rank, size_t elem_size) {
   const size_t per_line = std::max<size_t>(1, kAlign / elem_size);
   const size_t lines = (count + per_line - 1) / per_line;
@@ -91,6 +159,22 @@ struct Header {
   std::atomic<int32_t> attached;
   PeerState peers[kMaxLocalRanks];
 };
+
+std::string Fingerprint::describe() const {
+  std::string text = collective_name(collective);
+  if (collective == Collective::kBarrier || collective == Collective::kDisagreedElsewhere ||
+      collective == Collective::kNone) {
+    return text + (collective == Collective::kBarrier ? "()" : "");
+  }
+  const bool per_rank = collective == Collective::kReduceScatter || collective == Collective::kAllGather;
+  text += "(" + std::to_string(count) + " x " + dtype_name(static_cast<DType>(dtype)) + (per_rank ? " per rank" : "");
+  if (collective == Collective::kBroadcast) text += ", root=rank " + std::to_string(arg);
+  if (collective == Collective::kAllReduceBuffer) text += " at byte " + std::to_string(arg);
+  if (collective != Collective::kBroadcast && collective != Collective::kAllGather) {
+    text += divisor == 1 ? ", op=sum" : ", op=avg over " + std::to_string(static_cast<int64_t>(divisor));
+  }
+  return text + ")";
+}
 
 struct Communicator::PeerFailure {
   ErrorKind kind;
@@ -207,15 +291,16 @@ void Communicator::stop() {
   if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
 }
 
-std::shared_ptr<Work> Communicator::submit(std::function<void()> body, bool blocking) {
-  auto work = std::make_shared<Work>();
+std::shared_ptr<Work> Communicator::submit(Fingerprint call, std::function<void()> body, bool blocking) {
+  Job job{call, std::move(body), std::make_shared<Work>()};
+  auto work = job.work;
   std::unique_lock<std::mutex> lock(mu_);
   if (stopping_) {
     work->finish(ErrorKind::kOther, "hfreduce: the communicator was stopped", {});
     return work;
   }
   if (!blocking) {
-    queue_.emplace_back(std::move(body), work);
+    queue_.push_back(std::move(job));
     lock.unlock();
     cv_.notify_all();
     return work;
@@ -223,7 +308,7 @@ std::shared_ptr<Work> Communicator::submit(std::function<void()> body, bool bloc
   cv_.wait(lock, [this] { return queue_.empty() && !busy_; });  // earlier collectives go first
   busy_ = true;
   lock.unlock();
-  execute(body, *work);
+  execute(job);
   lock.lock();
   busy_ = false;
   lock.unlock();
@@ -231,20 +316,23 @@ std::shared_ptr<Work> Communicator::submit(std::function<void()> body, bool bloc
   return work;
 }
 
-void Communicator::execute(const std::function<void()>& body, Work& work) {
+void Communicator::execute(const Job& job) {
   if (!broken_.empty()) {
-    work.finish(ErrorKind::kOther, "hfreduce: communicator unusable after an earlier failure: " + broken_, {});
+    job.work->finish(ErrorKind::kOther, "hfreduce: communicator unusable after an earlier failure: " + broken_, {});
     return;
   }
   try {
-    body();
-    work.finish(ErrorKind::kNone, "", {});
+    call_ = job.call;
+    announced_ = false;
+    job.body();
+    if (!announced_) arrive_and_wait();  // nothing to move: the agreement check still runs
+    job.work->finish(ErrorKind::kNone, "", {});
   } catch (const PeerFailure& failure) {
     broken_ = failure.message;
-    work.finish(failure.kind, failure.message, failure.ranks);
+    job.work->finish(failure.kind, failure.message, failure.ranks);
   } catch (const std::exception& e) {
     broken_ = e.what();
-    work.finish(ErrorKind::kOther, e.what(), {});
+    job.work->finish(ErrorKind::kOther, e.what(), {});
   }
 }
 
@@ -253,11 +341,11 @@ void Communicator::worker_loop() {
   for (;;) {
     cv_.wait(lock, [this] { return (stopping_ && !busy_) || (!queue_.empty() && !busy_); });
     if (queue_.empty()) return;
-    auto item = std::move(queue_.front());
+    Job job = std::move(queue_.front());
     queue_.pop_front();
     busy_ = true;
     lock.unlock();
-    execute(item.first, *item.second);
+    execute(job);
     lock.lock();
     busy_ = false;
     cv_.notify_all();
@@ -269,11 +357,39 @@ void Communicator::worker_loop() {
 void Communicator::arrive_and_wait() {
   const uint32_t generation = ++generation_;
   PeerState& me = header_->peers[config_.local_rank];
+  const bool first = !announced_;
+  if (first) me.calls[calls_ % 2] = call_;
   me.seq.store(generation);
   if (me.sleepers.load() != 0) futex(&me.seq, FUTEX_WAKE, INT_MAX, nullptr);
   for (int peer = 0; peer < config_.local_size; ++peer) {
     if (peer != config_.local_rank) wait_for_peer(peer, generation);
   }
+  if (first) {
+    announced_ = true;
+    check_agreement();
+    ++calls_;
+  }
+}
+
+void Communicator::check_agreement() const {
+  const int slot = static_cast<int>(calls_ % 2);
+  bool agree = true;
+  for (int peer = 0; peer < config_.local_size; ++peer) agree = agree && header_->peers[peer].calls[slot] == call_;
+  if (agree) return;
+  std::vector<int> ranks;
+  std::string calls;
+  for (int peer = 0; peer < config_.local_size; ++peer) {
+    const Fingerprint& theirs = header_->peers[peer].calls[slot];
+    if (!(theirs == call_)) ranks.push_back(peer);
+    calls += (peer == 0 ? "" : "; ") + std::string("local rank ") + std::to_string(peer) + " called " +
+             theirs.describe();
+  }
+  throw PeerFailure{ErrorKind::kMismatch,
+                    "hfreduce: ranks called different collectives (call " + std::to_string(calls_ + 1) +
+                        " of this communicator): " + calls +
+                        ". Is there a distributed collective mismatch in your code? Every rank must make the "
+                        "same calls, with the same sizes, dtypes, ops and roots, in the same order",
+                    std::move(ranks)};
 }
 
 void Communicator::wait_for_peer(int peer, uint32_t generation) {
@@ -327,7 +443,8 @@ int Communicator::next_set() {
 
 std::shared_ptr<Work> Communicator::all_reduce(const void* src, void* dst, size_t count, DType dtype,
                                                double divisor, bool blocking) {
-  return submit([=] { run_all_reduce(static_cast<const char*>(src), static_cast<char*>(dst), count, dtype, divisor); },
+  return submit(fingerprint(Collective::kAllReduce, dtype, count, 0, divisor),
+                [=] { run_all_reduce(static_cast<const char*>(src), static_cast<char*>(dst), count, dtype, divisor); },
                 blocking);
 }
 
@@ -336,29 +453,37 @@ std::shared_ptr<Work> Communicator::all_reduce_buffer(std::shared_ptr<SharedBuff
   if (offset_bytes + count * element_size(dtype) > buffer->region_bytes()) {
     throw std::invalid_argument("hfreduce: all_reduce_buffer range exceeds the buffer");
   }
-  return submit([=] { run_all_reduce_buffer(*buffer, offset_bytes, count, dtype, divisor); }, blocking);
+  return submit(fingerprint(Collective::kAllReduceBuffer, dtype, count, offset_bytes, divisor),
+                [=] { run_all_reduce_buffer(*buffer, offset_bytes, count, dtype, divisor); }, blocking);
 }
 
 std::shared_ptr<Work> Communicator::reduce_scatter(const void* src, void* dst, size_t count_per_rank, DType dtype,
                                                    double divisor, bool blocking) {
   return submit(
+      fingerprint(Collective::kReduceScatter, dtype, count_per_rank, 0, divisor),
       [=] { run_reduce_scatter(static_cast<const char*>(src), static_cast<char*>(dst), count_per_rank, dtype, divisor); },
       blocking);
 }
 
 std::shared_ptr<Work> Communicator::all_gather(const void* src, void* dst, size_t count_per_rank, DType dtype,
                                                bool blocking) {
-  return submit([=] { run_all_gather(static_cast<const char*>(src), static_cast<char*>(dst), count_per_rank, dtype); },
+  return submit(fingerprint(Collective::kAllGather, dtype, count_per_rank, 0, 1.0),
+                [=] { run_all_gather(static_cast<const char*>(src), static_cast<char*>(dst), count_per_rank, dtype); },
                 blocking);
 }
 
 std::shared_ptr<Work> Communicator::broadcast(void* buffer, size_t count, DType dtype, int root, bool blocking) {
   if (root < 0 || root >= config_.local_size) throw std::invalid_argument("hfreduce: broadcast root out of range");
-  return submit([=] { run_broadcast(static_cast<char*>(buffer), count, dtype, root); }, blocking);
+  return submit(fingerprint(Collective::kBroadcast, dtype, count, static_cast<uint64_t>(root), 1.0),
+                [=] { run_broadcast(static_cast<char*>(buffer), count, dtype, root); }, blocking);
 }
 
 std::shared_ptr<Work> Communicator::barrier(bool blocking) {
-  return submit([this] { arrive_and_wait(); }, blocking);
+  return submit(fingerprint(Collective::kBarrier, DType::kFloat32, 0, 0, 1.0), [this] { arrive_and_wait(); }, blocking);
+}
+
+std::shared_ptr<Work> Communicator::agree(Fingerprint call, bool blocking) {
+  return submit(call, [this] { arrive_and_wait(); }, blocking);
 }
 
 void Communicator::run_all_reduce(const char* src, char* dst, size_t count, DType dtype, double divisor) {

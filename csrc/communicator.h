@@ -18,8 +18,38 @@
 
 namespace hfreduce {
 
-// Why a collective failed; the Python face turns these into HFReduceTimeoutError / HFReducePeerError.
-enum class ErrorKind : int32_t { kNone = 0, kTimeout = 1, kPeerDied = 2, kOther = 3 };
+// Why a collective failed; the Python face turns these into HFReduceTimeoutError, HFReducePeerError and
+// HFReduceMismatchError.
+enum class ErrorKind : int32_t { kNone = 0, kTimeout = 1, kPeerDied = 2, kOther = 3, kMismatch = 4 };
+
+// The kinds of call a rank can make. kDisagreedElsewhere is what a rank announces when its peers on other
+// hosts disagreed with it (the hierarchical path), so that its local peers fail with it.
+enum class Collective : uint8_t {
+  kNone = 0,
+  kAllReduce = 1,
+  kAllReduceBuffer = 2,
+  kReduceScatter = 3,
+  kAllGather = 4,
+  kBroadcast = 5,
+  kBarrier = 6,
+  kDisagreedElsewhere = 7,
+};
+
+// What one rank is calling, with every argument its peers must share; see [Note: agreement check].
+// 24 bytes: two of them fit beside a rank's barrier counter in its cache line of the shared header.
+struct Fingerprint {
+  Collective collective = Collective::kNone;
+  uint8_t dtype = 0;    // a DType code
+  float divisor = 1;    // 1: sum; otherwise the average over this many ranks
+  uint64_t count = 0;   // elements (per rank for reduce_scatter and all_gather)
+  uint64_t arg = 0;     // broadcast: the root's local rank; all_reduce_buffer: the byte offset
+  bool operator==(const Fingerprint& other) const {
+    return collective == other.collective && dtype == other.dtype && divisor == other.divisor &&
+           count == other.count && arg == other.arg;
+  }
+  // e.g. "all_reduce(1000 x float32, op=sum)"
+  std::string describe() const;
+};
 
 // Completion handle of one asynchronous collective.
 class Work {
@@ -98,6 +128,9 @@ class Communicator {
                                    bool blocking);
   std::shared_ptr<Work> broadcast(void* buffer, size_t count, DType dtype, int root, bool blocking);
   std::shared_ptr<Work> barrier(bool blocking);
+  // A barrier that only checks that every local rank announces `call` (HFReduceMismatchError if not): the
+  // hierarchical path checks the caller's whole collective with it before splitting it into engine calls.
+  std::shared_ptr<Work> agree(Fingerprint call, bool blocking);
 
   // Finishes queued work, then stops the worker thread. Idempotent; later submissions fail.
   void stop();
@@ -105,10 +138,17 @@ class Communicator {
  private:
   struct PeerFailure;
 
-  std::shared_ptr<Work> submit(std::function<void()> body, bool blocking);
-  void execute(const std::function<void()>& body, Work& work);
+  struct Job {
+    Fingerprint call;
+    std::function<void()> body;
+    std::shared_ptr<Work> work;
+  };
+
+  std::shared_ptr<Work> submit(Fingerprint call, std::function<void()> body, bool blocking);
+  void execute(const Job& job);
   void worker_loop();
   void arrive_and_wait();
+  void check_agreement() const;
   void wait_for_peer(int peer, uint32_t generation);
   [[noreturn]] void fail_waiting(ErrorKind kind, uint32_t generation, int dead_peer);
   char* staging(int set, int rank) const;
@@ -126,11 +166,14 @@ class Communicator {
   Header* header_;
   char* data_;
   uint32_t generation_ = 0;  // barriers this rank has passed
+  uint32_t calls_ = 0;       // collectives this rank has announced (see [Note: agreement check])
+  Fingerprint call_;         // the running collective, announced at its first barrier
+  bool announced_ = true;
   int set_ = 0;              // staging set the next chunk uses (of kStagingSets)
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::pair<std::function<void()>, std::shared_ptr<Work>>> queue_;
+  std::deque<Job> queue_;
   bool stopping_ = false;
   bool busy_ = false;   // a collective is running (on the worker or inline); guarded by mu_
   std::string broken_;  // first failure; every later collective fails with it

@@ -70,6 +70,24 @@ size_t element_size(DType dtype) {
 
 bool is_floating(DType dtype) { return dtype != DType::kInt32 && dtype != DType::kInt64; }
 
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+  }
+  return "unknown dtype";
+}
+
 DType dtype_from_code(int32_t code) {
   if (code < 0 || code > static_cast<int32_t>(DType::kInt64)) {
     throw std::invalid_argument("hfreduce: dtype code " + std::to_string(code) + " is not supported");

@@ -11,6 +11,8 @@ enum class DType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16
 
 size_t element_size(DType dtype);
 bool is_floating(DType dtype);
+// torch's name of the dtype ("float32", ...), for error messages.
+const char* dtype_name(DType dtype);
 // Throws std::invalid_argument for a code that is not a DType.
 DType dtype_from_code(int32_t code);
 

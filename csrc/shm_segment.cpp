@@ -24,12 +24,7 @@ ShmSegment::ShmSegment(const std::string& name, size_t bytes, bool create)
   int fd = shm_open(name.c_str(), flags, 0600);
   if (fd < 0) throw sys_error("shm_open", name);
   linked_ = create;
-  if (create && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    auto err = sys_error("ftruncate", name);
-    close(fd);
-    shm_unlink(name.c_str());
-    throw err;
-  }
+  if (create) reserve(fd, bytes);
   if (!create) {
     struct stat st {};
     if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < bytes) {
@@ -45,10 +40,26 @@ ShmSegment::ShmSegment(const std::string& name, size_t bytes, bool create)
     if (create) shm_unlink(name.c_str());
     throw err;
   }
-  if (create) {
-    // Commit every page at creation (the Python side checked /dev/shm's free space first), not mid-collective.
-    std::memset(data_, 0, bytes);
-  }
+}
+
+// [Note: reserving shared memory]
+// ftruncate only sets a tmpfs file's size; its pages are allocated when first touched, and a touch that
+// finds /dev/shm full kills the process with SIGBUS (mid-collective, leaving the segment behind).
+// posix_fallocate allocates (and zero-fills) every page now, or fails with ENOSPC while nothing but
+// this name exists, which is then unlinked.
+void ShmSegment::reserve(int fd, size_t bytes) {
+  int err = 0;
+  do {
+    err = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  } while (err == EINTR);
+  if (err == 0) return;
+  close(fd);
+  shm_unlink(name_.c_str());
+  linked_ = false;
+  const std::string what = "hfreduce: cannot reserve " + std::to_string(bytes) + " bytes for shared-memory segment '" +
+                           name_ + "': " + std::strerror(err);
+  if (err == ENOSPC || err == ENOMEM) throw ShmFullError(what);
+  throw std::runtime_error(what);
 }
 
 ShmSegment::~ShmSegment() {

@@ -42,7 +42,8 @@ class CPUOffloadCallback(Callback):
     the step together) to the Trainer's loggers; ``offload_stats(callback.tag)`` has the rest.
 
     Args:
-        offload_ratio: fraction in [0, 1]; anything else raises ``ValueError`` here, before training.
+        offload_ratio: fraction in [0, 1]; anything else raises ``TypeError`` (not a number: ``"0.5"``,
+            ``True``) or ``ValueError`` (out of range) here, before training.
         tag: the region's name (default: one private to this callback).
         **offload_options: passed to ``CPUOffload`` (``min_bytes``, ``max_inflight_bytes``,
             ``prefetch_bytes``, ``force_copy``, ``pool``).

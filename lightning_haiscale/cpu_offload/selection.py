@@ -17,17 +17,21 @@ the same rule online, against the bytes saved so far.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 __all__ = ["StreamingSelector", "check_ratio", "plan_offload"]
 
 
 def check_ratio(offload_ratio: float) -> float:
-    """``offload_ratio`` as a float, or ``ValueError`` when it is outside [0, 1]."""
-    try:
-        ratio = float(offload_ratio)
-    except (TypeError, ValueError):
-        raise ValueError(f"offload_ratio={offload_ratio!r} must be a number between 0 and 1") from None
+    """``offload_ratio`` as a float; ``TypeError`` unless it is a real number (a string or a bool is not, though
+    ``float()`` would take them), ``ValueError`` when it is outside [0, 1]."""
+    if isinstance(offload_ratio, bool) or not isinstance(offload_ratio, numbers.Real):
+        raise TypeError(
+            f"offload_ratio={offload_ratio!r} ({type(offload_ratio).__name__}) must be a number between 0 and 1, "
+            "such as 0.3"
+        )
+    ratio = float(offload_ratio)
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"offload_ratio={offload_ratio!r} is outside [0, 1]; pass a fraction such as 0.3")
     return ratio

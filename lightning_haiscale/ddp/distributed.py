@@ -61,6 +61,7 @@ class DistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         _check_arguments(module, device_ids, bucket_cap_mb)
+        _check_same_model(module, process_group)
         self.module = module
         self.device_ids = device_ids
         self._input_device = _cuda_device(device_ids[0]) if device_ids else None
@@ -179,6 +180,30 @@ def _broadcast_buffers(comm: Communicator, buffers: list[torch.Tensor]) -> None:
                 # one backward) keeps its version, so that backward does not fail as "modified by an inplace
                 # operation"
                 t.data.copy_(flat[start : start + n].view(t.dtype).view_as(t))
+
+
+def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
+    """Every rank must wrap the same parameters and buffers (names, shapes, dtypes), as torch DDP checks:
+    otherwise rank 0's values would be copied into differently shaped tensors and training would go on,
+    wrong. Collective; every rank raises the same error."""
+    mine = [(n, tuple(t.shape), t.dtype) for n, t in (*module.named_parameters(), *module.named_buffers())]
+    world = dist.get_world_size(process_group)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine, group=process_group)
+    for rank in range(1, world):
+        theirs = every[rank]
+        if theirs == every[0]:
+            continue
+        for (name0, shape0, dtype0), (name, shape, dtype) in zip(every[0], theirs, strict=False):
+            if (name0, shape0, dtype0) != (name, shape, dtype):
+                raise ValueError(
+                    f"DistributedDataParallel expects the same model on every rank, but {name0!r} is "
+                    f"{list(shape0)} {dtype0} on rank 0 and rank {rank} has {name!r} {list(shape)} {dtype}"
+                )
+        raise ValueError(
+            f"DistributedDataParallel expects the same model on every rank, but rank 0 has {len(every[0])} "
+            f"parameters and buffers and rank {rank} has {len(theirs)}"
+        )
 
 
 def _broadcast_coalesced(comm: Communicator, tensors: Iterable[torch.Tensor]) -> None:

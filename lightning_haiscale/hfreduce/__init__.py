@@ -4,6 +4,7 @@ from lightning_haiscale.hfreduce._native import simd_level
 from lightning_haiscale.hfreduce.communicator import Communicator, ReduceOp, Work
 from lightning_haiscale.hfreduce.errors import (
     HFReduceError,
+    HFReduceMismatchError,
     HFReducePeerError,
     HFReduceTimeoutError,
     SharedMemoryTooSmallError,
@@ -14,6 +15,7 @@ __all__ = [
     "NODE_ID_ENV",
     "Communicator",
     "HFReduceError",
+    "HFReduceMismatchError",
     "HFReducePeerError",
     "HFReduceTimeoutError",
     "ReduceOp",

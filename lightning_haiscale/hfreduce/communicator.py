@@ -11,6 +11,7 @@ program order because a direct submission is only taken when no threaded job is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from lightning_haiscale.hfreduce._native import load_engine
 from lightning_haiscale.hfreduce.errors import (
     HFReduceError,
+    HFReduceMismatchError,
     HFReducePeerError,
     HFReduceTimeoutError,
     SharedMemoryTooSmallError,
@@ -49,7 +51,15 @@ _DTYPE_CODES = {
     torch.int32: 4,
     torch.int64: 5,
 }
-_ERROR_TIMEOUT, _ERROR_PEER_DIED = 1, 2
+_ERRORS: dict[str, type[HFReduceError]] = {  # by the name of the engine's ErrorKind
+    "TIMEOUT": HFReduceTimeoutError,
+    "PEER_DIED": HFReducePeerError,
+    "MISMATCH": HFReduceMismatchError,
+}
+_SHM_FIX = (
+    "Give the job more: `docker run --shm-size=8g ...`, or on Kubernetes mount an emptyDir with "
+    "`medium: Memory` at /dev/shm"
+)
 # torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old names.
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -154,6 +164,8 @@ class Communicator:
         self.topology = Topology.discover(self.group, _shm_free_bytes())
         self._check_uniform_hosts()
         self._buffers: list[_Buffer] = []
+        self._allow_fallback = allow_fallback
+        self._disagreed: str | None = None  # set when hosts called different collectives
         self._pending = 0
         self._pending_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hfreduce")
@@ -258,9 +270,14 @@ class Communicator:
         if self._native is None:
             return torch.zeros(numel, dtype=dtype)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        region = max(4096, -(-nbytes // 4096) * 4096)  # what the engine maps per local rank
         shared = self._create_shared(
-            lambda name, create: load_engine().SharedBuffer(name, nbytes, self.local_size, create)
+            lambda name, create: load_engine().SharedBuffer(name, nbytes, self.local_size, create),
+            region * self.local_size,
+            f"alloc_buffer({numel}, {dtype}) ({region / 2**20:.1f} MiB for each of {self.local_size} local ranks)",
         )
+        if shared is None:
+            return torch.zeros(numel, dtype=dtype)
         self.barrier()  # every local rank has mapped it
         shared.unlink()
         tensor = torch.frombuffer(shared.region(self.local_rank), dtype=torch.uint8)[:nbytes].view(dtype)
@@ -288,42 +305,65 @@ class Communicator:
             )
 
     def _open_native(self, chunk_bytes: int, allow_fallback: bool) -> Any:
-        needed = load_engine().Communicator.segment_bytes(self.local_size, chunk_bytes)
+        segment = load_engine().Communicator.segment_bytes(self.local_size, chunk_bytes)
         free = min(p.shm_free_bytes for p in self.topology.peers)
-        if free < 2 * needed:
-            message = (
-                f"hfreduce needs {needed / 2**20:.1f} MiB of shared memory per host (and room for buffers) "
-                f"but /dev/shm has {free / 2**20:.1f} MiB free. Give the job more: `docker run "
-                "--shm-size=8g ...`, or on Kubernetes mount an emptyDir with `medium: Memory` at /dev/shm"
+        if free < 2 * segment:
+            self._shm_too_small(
+                f"hfreduce needs {2 * segment / 2**20:.1f} MiB of free shared memory per host "
+                f"({segment / 2**20:.1f} MiB for the communicator's staging segment and as much again kept free "
+                f"for shared buffers) but /dev/shm has {free / 2**20:.1f} MiB free"
             )
-            if not allow_fallback:
-                raise SharedMemoryTooSmallError(message + "; or pass allow_fallback=True to use torch.distributed.")
-            warnings.warn(message + "; falling back to torch.distributed collectives.", stacklevel=3)
             return None
         spin = _SPIN_ITERS if self.local_size <= len(os.sched_getaffinity(0)) else 0
         seconds = self.timeout.total_seconds()
         native = self._create_shared(
             lambda name, create: load_engine().Communicator(
                 name, self.local_rank, self.local_size, create, chunk_bytes, seconds, spin
-            )
+            ),
+            segment,
+            "the communicator's staging segment",
         )
-        native.wait_attached()
+        if native is not None:
+            native.wait_attached()
         return native
 
-    def _create_shared(self, make: Callable[[str, bool], Any]) -> Any:
-        """Local rank 0 of each host creates ``make(name, True)`` under a fresh unguessable name; then
-        its peers, having received the name, open it with ``make(name, False)``."""
-        created = None
-        mine = None
+    def _create_shared(self, make: Callable[[str, bool], Any], nbytes: int, what: str) -> Any:
+        """Local rank 0 of each host creates ``make(name, True)`` (``nbytes`` of /dev/shm) under a fresh
+        unguessable name; its peers, having received the name, open it with ``make(name, False)``.
+
+        If any host's /dev/shm cannot hold it, every rank learns so in the same exchange and raises
+        :class:`SharedMemoryTooSmallError` (or, with ``allow_fallback``, returns None) together.
+        """
+        created, mine, failure = None, None, None
         if self.local_rank == 0:
             mine = f"/lhs-{os.getpid()}-{secrets.token_hex(16)}"  # pid: whose it was, if one ever leaks
-            created = make(mine, True)
-        names: list[str | None] = [mine] * self.world_size
+            too_small = f"hfreduce: {what} needs {nbytes / 2**20:.1f} MiB of shared memory on host {self.topology.host}"
+            if _shm_free_bytes() < nbytes:  # checked first; the engine's posix_fallocate settles any race
+                failure = f"{too_small} but /dev/shm has {_shm_free_bytes() / 2**20:.1f} MiB free"
+            else:
+                try:
+                    created = make(mine, True)
+                except load_engine().ShmFullError as error:
+                    failure = f"{too_small}: {error}"
+        names: list[tuple[str | None, str | None]] = [(mine, failure)] * self.world_size
         if self.world_size > 1:
-            dist.all_gather_object(names, mine, group=self.group)
+            dist.all_gather_object(names, (mine, failure), group=self.group)
+        failures = [f for _, f in names if f is not None]
+        if failures:
+            del created  # unlinks this host's segment if it was made
+            self._shm_too_small(failures[0])
+            return None
         if created is not None:
             return created
-        return make(str(names[self.topology.local_ranks[0]]), False)
+        return make(str(names[self.topology.local_ranks[0]][0]), False)
+
+    def _shm_too_small(self, message: str) -> None:
+        """Raises :class:`SharedMemoryTooSmallError`, or warns when ``allow_fallback`` (the caller falls back)."""
+        if not self._allow_fallback:
+            raise SharedMemoryTooSmallError(
+                f"{message}. {_SHM_FIX}; or pass allow_fallback=True to use torch.distributed."
+            )
+        warnings.warn(f"{message}; falling back to torch.distributed collectives.", stacklevel=4)
 
     def _make_cross_groups(self) -> tuple[dist.ProcessGroup | None, list[int]]:
         """The group of this rank's local index on every host, and the (local index, host) order of ranks."""
@@ -457,16 +497,20 @@ class Communicator:
         self._raise_if_failed(getattr(self._native, collective)(*args, blocking=True))
 
     def _raise_if_failed(self, native: Any) -> None:
-        kind = native.error_kind()
-        if kind == 0:
+        kind = native.error_kind()  # an int: 0 (ErrorKind.NONE) is checked on every call
+        if not kind:
             return
+        name = load_engine().ErrorKind(kind).name
         ranks = [self.topology.local_ranks[r] for r in native.error_ranks()]
-        message = native.error_message() + f" (group ranks {ranks}; this is group rank {self.rank})"
-        if kind == _ERROR_TIMEOUT:
-            raise HFReduceTimeoutError(message, ranks)
-        if kind == _ERROR_PEER_DIED:
-            raise HFReducePeerError(message, ranks)
-        raise HFReduceError(message)
+        if name == "MISMATCH":
+            where = f"local ranks 0..{self.local_size - 1} are group ranks {list(self.topology.local_ranks)}"
+        else:
+            where = f"group ranks {ranks}"
+        message = native.error_message() + f" ({where}; this is group rank {self.rank})"
+        error = _ERRORS.get(name)
+        if error is None:
+            raise HFReduceError(message)
+        raise error(message, ranks)
 
     def _divisor(self, op: str, dtype: torch.dtype) -> float:
         if op == "sum":
@@ -482,6 +526,40 @@ class Communicator:
         end = start + tensor.numel() * tensor.element_size()
         return next((b for b in self._buffers if b.start <= start and end <= b.end), None)
 
+    def _agree_across_hosts(self, call: Any) -> None:
+        """Raises :class:`HFReduceMismatchError` on every rank unless every rank of the group makes ``call``.
+
+        [Note: agreement across hosts] The engine checks that the ranks of one host agree (see [Note:
+        agreement check] in csrc/communicator.cpp). Across hosts, the ranks with this local index
+        all-gather the call (a fixed-size message, which cannot itself mismatch); then the host's ranks
+        agree on it in the engine, each announcing "disagreed elsewhere" instead if another host
+        differed. A host whose ranks disagree fails there; every other host then has a local index whose
+        cross-host peers differ from it, so its ranks fail too. Every rank raises; none waits on one that did.
+        """
+        if self._disagreed is not None:  # the engine is in step, but the program is not
+            raise HFReduceError(f"hfreduce: communicator unusable after an earlier failure: {self._disagreed}")
+        fields = (int(call.collective), call.dtype, call.count, call.arg, int(call.divisor))
+        mine = torch.tensor(fields, dtype=torch.int64)
+        every = mine.new_empty(self.num_hosts * len(fields))
+        _all_gather_tensor(every, mine, group=self._cross_group)
+        peers = self.topology.cross_host_ranks(self.local_rank)
+        rows = dict(zip(peers, (tuple(r) for r in every.view(self.num_hosts, -1).tolist()), strict=True))
+        if all(r == fields for r in rows.values()):
+            self._run_native("agree", call)
+            return
+        with contextlib.suppress(HFReduceMismatchError):  # a local peer differs too: it fails on its own
+            self._run_native("agree", load_engine().Fingerprint(load_engine().Collective.DISAGREED_ELSEWHERE, 0, 0))
+        calls = "; ".join(
+            f"group rank {rank} (host {host}) called {load_engine().Fingerprint(load_engine().Collective(r[0]), *r[1:]).describe()}"
+            for host, (rank, r) in enumerate(rows.items())
+        )
+        self._disagreed = (
+            f"hfreduce: ranks on different hosts called different collectives: {calls}. Is there a distributed "
+            "collective mismatch in your code? Every rank must make the same calls, with the same sizes, dtypes, "
+            f"ops and roots, in the same order (this is group rank {self.rank})"
+        )
+        raise HFReduceMismatchError(self._disagreed, [rank for rank, r in rows.items() if r != fields])
+
     # ------------------------------------------------------------------- threaded jobs (CPU)
 
     def _all_reduce_job(self, tensor: torch.Tensor, divisor: float) -> None:
@@ -492,8 +570,10 @@ class Communicator:
             code = _DTYPE_CODES[flat.dtype]
             self._run_native("all_reduce", flat.data_ptr(), flat.data_ptr(), flat.numel(), code, divisor)
             return
-        elif flat.numel() > 0:
-            self._hierarchical_all_reduce(flat)
+        else:
+            self._agree_across_hosts(_fingerprint(load_engine().Collective.ALL_REDUCE, flat, flat.numel(), 0, divisor))
+            if flat.numel() > 0:
+                self._hierarchical_all_reduce(flat)
         if divisor != 1.0:
             flat.div_(divisor)
 
@@ -517,21 +597,21 @@ class Communicator:
                 "reduce_scatter", input.data_ptr(), output.data_ptr(), n, _DTYPE_CODES[input.dtype], divisor
             )
             return
-        elif n > 0:
-            order = torch.tensor(self._cross_order)
-            by_local = input.view(self.world_size, n).index_select(0, order).contiguous()
-            host_pieces = output.new_empty(self.num_hosts * n)
-            self._run_native(
-                "reduce_scatter",
-                by_local.data_ptr(),
-                host_pieces.data_ptr(),
-                host_pieces.numel(),
-                _DTYPE_CODES[input.dtype],
-                1.0,
-            )
-            _reduce_scatter_tensor(output, host_pieces, group=self._cross_group)
+        else:
+            self._agree_across_hosts(_fingerprint(load_engine().Collective.REDUCE_SCATTER, input, n, 0, divisor))
+            if n > 0:
+                self._hierarchical_reduce_scatter(output, input)
         if divisor != 1.0:
             output.div_(divisor)
+
+    def _hierarchical_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        n = output.numel()
+        order = torch.tensor(self._cross_order)
+        by_local = input.view(self.world_size, n).index_select(0, order).contiguous()
+        host_pieces = output.new_empty(self.num_hosts * n)
+        code = _DTYPE_CODES[input.dtype]
+        self._run_native("reduce_scatter", by_local.data_ptr(), host_pieces.data_ptr(), host_pieces.numel(), code, 1.0)
+        _reduce_scatter_tensor(output, host_pieces, group=self._cross_group)
 
     def _all_gather_job(self, output: torch.Tensor, input: torch.Tensor) -> None:
         n = input.numel()
@@ -539,19 +619,26 @@ class Communicator:
             _all_gather_tensor(output, input, group=self.group)
         elif self.num_hosts == 1:
             self._run_native("all_gather", input.data_ptr(), output.data_ptr(), n, _DTYPE_CODES[input.dtype])
-        elif n > 0:
-            across = input.new_empty(self.num_hosts * n)
-            _all_gather_tensor(across, input.contiguous(), group=self._cross_group)
-            by_local = input.new_empty(self.world_size * n)
-            self._run_native(
-                "all_gather", across.data_ptr(), by_local.data_ptr(), across.numel(), _DTYPE_CODES[input.dtype]
-            )
-            output.view(self.world_size, n).index_copy_(0, torch.tensor(self._cross_order), by_local.view(-1, n))
+        else:
+            self._agree_across_hosts(_fingerprint(load_engine().Collective.ALL_GATHER, input, n))
+            if n > 0:
+                self._hierarchical_all_gather(output, input)
+
+    def _hierarchical_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        n = input.numel()
+        across = input.new_empty(self.num_hosts * n)
+        _all_gather_tensor(across, input.contiguous(), group=self._cross_group)
+        by_local = input.new_empty(self.world_size * n)
+        code = _DTYPE_CODES[input.dtype]
+        self._run_native("all_gather", across.data_ptr(), by_local.data_ptr(), across.numel(), code)
+        output.view(self.world_size, n).index_copy_(0, torch.tensor(self._cross_order), by_local.view(-1, n))
 
     def _broadcast_job(self, tensor: torch.Tensor, src: int) -> None:
         if self._native is None:
             dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
             return
+        if self.num_hosts > 1:
+            self._agree_across_hosts(_fingerprint(load_engine().Collective.BROADCAST, tensor, tensor.numel(), src))
         src_host = next(h for h, ranks in enumerate(self.topology.hosts) if src in ranks)
         root = self.topology.hosts[src_host].index(src)
         if self.num_hosts > 1 and self.local_rank == root:
@@ -563,16 +650,20 @@ class Communicator:
         if self._native is None:
             dist.barrier(group=self.group)
             return
+        if self.num_hosts > 1:  # the exchange of fingerprints is the barrier across hosts
+            self._agree_across_hosts(load_engine().Fingerprint(load_engine().Collective.BARRIER, 0, 0))
+            return
         self._run_native("barrier")
-        if self.num_hosts > 1:
-            dist.barrier(group=self._cross_group)
-            self._run_native("barrier")
 
 
 def _shutdown(executor: ThreadPoolExecutor, native: Any) -> None:
     executor.shutdown(wait=True)
     if native is not None:
         native.stop()
+
+
+def _fingerprint(collective: Any, tensor: torch.Tensor, count: int, arg: int = 0, divisor: float = 1.0) -> Any:
+    return load_engine().Fingerprint(collective, _DTYPE_CODES[tensor.dtype], count, arg, divisor)
 
 
 def _to_host(tensor: torch.Tensor, copy: bool) -> torch.Tensor:

@@ -29,5 +29,20 @@ class HFReducePeerError(HFReduceError):
         self.dead_ranks = dead_ranks
 
 
+class HFReduceMismatchError(HFReduceError):
+    """Ranks called different collectives (kind, element count, dtype, op or root) at the same point.
+
+    Every rank raises it at the same call, before any rank reads another's data; the message names each
+    rank's call. The cause is in the program: a rank-dependent branch or shape before the call.
+
+    Attributes:
+        mismatched_ranks: group ranks whose call differs from this rank's.
+    """
+
+    def __init__(self, message: str, mismatched_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.mismatched_ranks = mismatched_ranks
+
+
 class SharedMemoryTooSmallError(HFReduceError):
-    """/dev/shm has less free space than the communicator needs."""
+    """/dev/shm has less free space than the communicator or a shared buffer needs."""

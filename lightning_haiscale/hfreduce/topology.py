@@ -19,8 +19,9 @@ def node_id() -> str:
 
 @dataclass(frozen=True)
 class PeerInfo:
+    """What a rank reports at discovery (the engine records each peer's pid itself, for liveness)."""
+
     node: str
-    pid: int
     shm_free_bytes: int
 
 
@@ -68,8 +69,8 @@ class Topology:
 
     @staticmethod
     def discover(group: dist.ProcessGroup, shm_free_bytes: int) -> Topology:
-        """Collective over ``group``: every rank reports its node, pid and free /dev/shm bytes."""
-        me = PeerInfo(node_id(), os.getpid(), shm_free_bytes)
+        """Collective over ``group``: every rank reports its node and free /dev/shm bytes."""
+        me = PeerInfo(node_id(), shm_free_bytes)
         peers: list[PeerInfo | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(peers, me, group=group)
         return Topology.from_peers([p for p in peers if p is not None], dist.get_rank(group))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -46,7 +47,7 @@ def partition(
 
     Args:
         module: the whole network, an ``nn.Sequential``; every rank passes the same one.
-        balance: layers per stage (``world_size * num_model_chunks`` numbers), ``None`` to balance
+        balance: layers per stage (``world_size * num_model_chunks`` ints), ``None`` to balance
             parameter counts, or ``"time"`` to balance the forward + backward time of each layer, measured
             once on ``example_inputs`` (rank 0 of ``process_group`` measures and broadcasts, so every rank
             cuts alike).
@@ -87,6 +88,8 @@ def stage_layer_counts(
         return _balanced_counts(_measured_times(module, example_inputs, process_group), parts)
     if isinstance(balance, str):
         raise ValueError(f"balance={balance!r} is unknown; pass None, 'time' or a list of layer counts")
+    if any(isinstance(c, bool) or not isinstance(c, numbers.Integral) for c in balance):
+        raise TypeError(f"balance={list(balance)} must hold whole layer counts (ints), such as [3, 3]")
     counts = [int(c) for c in balance]
     if len(counts) != parts or sum(counts) != n or min(counts) < 1:
         raise ValueError(

@@ -166,6 +166,7 @@ class Pipeline(nn.Module):
                 "forward_backward() was called with gradients disabled (torch.no_grad()); call it with "
                 "gradients enabled, or use model(*inputs) for pipelined evaluation"
             )
+        _check_labels(inputs, labels)
         batches = split_microbatches(inputs, self.chunks) if inputs else None
         label_batches = split_microbatches(tuple(labels), self.chunks)
 
@@ -313,6 +314,21 @@ class Interleaved1F1B(Pipeline):
         if isinstance(modules, nn.Module) and not isinstance(modules, (list, tuple, nn.ModuleList)):
             modules = [modules]
         super().__init__(list(modules), chunks, process_group, forward_context=forward_context)
+
+
+def _check_labels(inputs: Sequence[Any], labels: Sequence[Any]) -> None:
+    """Labels must have the batch size of the inputs: fewer rows would broadcast silently in many losses.
+
+    Checked on every rank that is given both (haiscale's usage passes the batch and labels on every rank),
+    before the step, so those ranks all raise; a rank given only one of them cannot check.
+    """
+    sizes = {t.size(0) for t in inputs if torch.is_tensor(t) and t.dim() > 0}
+    label_sizes = {t.size(0) for t in labels if torch.is_tensor(t) and t.dim() > 0}
+    if sizes and label_sizes and sizes != label_sizes:
+        raise ValueError(
+            f"labels have batch size {', '.join(map(str, sorted(label_sizes)))} but the inputs have "
+            f"{', '.join(map(str, sorted(sizes)))}; pass labels for the same rows as the inputs (dim 0)"
+        )
 
 
 def _join(outputs: dict[int, Any], n: int) -> Any:
