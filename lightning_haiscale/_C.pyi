@@ -1,12 +1,45 @@
 """Type stub of the native engine (csrc/). Pointers are integer addresses; see hfreduce.Communicator."""
 
+import enum
+
 def simd_level() -> str: ...
+
+class ShmFullError(MemoryError): ...
+
+class ErrorKind(enum.IntEnum):
+    NONE = 0
+    TIMEOUT = 1
+    PEER_DIED = 2
+    OTHER = 3
+    MISMATCH = 4
+
+class Collective(enum.Enum):
+    ALL_REDUCE = 1
+    ALL_REDUCE_BUFFER = 2
+    REDUCE_SCATTER = 3
+    ALL_GATHER = 4
+    BROADCAST = 5
+    BARRIER = 6
+    DISAGREED_ELSEWHERE = 7
+
+class Fingerprint:
+    """What one rank calls; ranks compare them before reading each other's data."""
+
+    collective: Collective
+    dtype: int
+    count: int
+    arg: int
+    divisor: float
+    def __init__(
+        self, collective: Collective, dtype: int, count: int, arg: int = 0, divisor: float = 1.0
+    ) -> None: ...
+    def describe(self) -> str: ...
 def reduce(dtype: int, dst: int, srcs: list[int], count: int, divisor: float) -> None: ...
 
 class Work:
     def wait(self, timeout_s: float = -1.0) -> bool: ...
     def is_completed(self) -> bool: ...
-    def error_kind(self) -> int: ...
+    def error_kind(self) -> int: ...  # an ErrorKind value
     def error_message(self) -> str: ...
     def error_ranks(self) -> list[int]: ...
 
@@ -47,3 +80,4 @@ class Communicator:
     def all_gather(self, src: int, dst: int, count_per_rank: int, dtype: int, blocking: bool = False) -> Work: ...
     def broadcast(self, buffer: int, count: int, dtype: int, root: int, blocking: bool = False) -> Work: ...
     def barrier(self, blocking: bool = False) -> Work: ...
+    def agree(self, call: Fingerprint, blocking: bool = False) -> Work: ...

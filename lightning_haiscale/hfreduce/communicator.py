@@ -538,6 +538,7 @@ class Communicator:
         """
         if self._disagreed is not None:  # the engine is in step, but the program is not
             raise HFReduceError(f"hfreduce: communicator unusable after an earlier failure: {self._disagreed}")
+        engine = load_engine()
         fields = (int(call.collective), call.dtype, call.count, call.arg, int(call.divisor))
         mine = torch.tensor(fields, dtype=torch.int64)
         every = mine.new_empty(self.num_hosts * len(fields))
@@ -548,9 +549,9 @@ class Communicator:
             self._run_native("agree", call)
             return
         with contextlib.suppress(HFReduceMismatchError):  # a local peer differs too: it fails on its own
-            self._run_native("agree", load_engine().Fingerprint(load_engine().Collective.DISAGREED_ELSEWHERE, 0, 0))
+            self._run_native("agree", engine.Fingerprint(engine.Collective.DISAGREED_ELSEWHERE, 0, 0))
         calls = "; ".join(
-            f"group rank {rank} (host {host}) called {load_engine().Fingerprint(load_engine().Collective(r[0]), *r[1:]).describe()}"
+            f"group rank {rank} (host {host}) called {engine.Fingerprint(engine.Collective(r[0]), *r[1:]).describe()}"
             for host, (rank, r) in enumerate(rows.items())
         )
         self._disagreed = (
