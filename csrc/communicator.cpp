@@ -130,8 +130,6 @@ const char* collective_name(Collective collective) {
   return "nothing";
 }
 
-// Element range [begin, end) of `rank`'s slice when `count` elements are split over `parts` ranks;
-// boundaries fall on cache lines so no two ranks write the same line.
 Fingerprint fingerprint(Collective collective, DType dtype, size_t count, uint64_t arg, double divisor) {
   Fingerprint call;
   call.collective = collective;
@@ -142,6 +140,8 @@ Fingerprint fingerprint(Collective collective, DType dtype, size_t count, uint64
   return call;
 }
 
+// Element range [begin, end) of `rank`'s slice when `count` elements are split over `parts` ranks;
+// boundaries fall on cache lines so no two ranks write the same line.
 std::pair<size_t, size_t> slice(size_t count, int parts, int rank, size_t elem_size) {
   const size_t per_line = std::max<size_t>(1, kAlign / elem_size);
   const size_t lines = (count + per_line - 1) / per_line;

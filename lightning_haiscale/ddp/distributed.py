@@ -61,7 +61,6 @@ class DistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         _check_arguments(module, device_ids, bucket_cap_mb)
-        _check_same_model(module, process_group)
         self.module = module
         self.device_ids = device_ids
         self._input_device = _cuda_device(device_ids[0]) if device_ids else None
@@ -70,6 +69,7 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         comm = communicator if communicator is not None else Communicator(process_group)
+        _check_same_model(module, comm.group)
         with torch.no_grad():
             _broadcast_coalesced(comm, [*module.parameters(), *module.buffers()])
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -182,7 +182,7 @@ def _broadcast_buffers(comm: Communicator, buffers: list[torch.Tensor]) -> None:
                 t.data.copy_(flat[start : start + n].view(t.dtype).view_as(t))
 
 
-def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
+def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup) -> None:
     """Every rank must wrap the same parameters and buffers (names, shapes, dtypes), as torch DDP checks:
     otherwise rank 0's values would be copied into differently shaped tensors and training would go on,
     wrong. Collective; every rank raises the same error."""
