@@ -4,9 +4,13 @@
 ``state_dict_type="full"``: one file written by rank 0, Lightning's usual layout, whose ``state_dict`` loads
 with plain ``torch.load`` into the bare LightningModule; optimizer states are keyed by parameter name.
 Every rank memory-maps it to load, so the ranks share one copy in the page cache and each reads only
-its pieces. ``"sharded"``: a folder with ``rank_<r>.pt`` per rank (model and optimizer pieces, see
-``fsdp.state_dict`` [Note: sharded format]) and ``meta.pt`` (everything else); it resumes on any number
-of ranks. Tensors already on the CPU are never copied a second time to "offload" them.
+its pieces. ``"sharded"``: a ``torch.distributed.checkpoint`` folder, as Lightning's FSDP and ModelParallel
+strategies write: every parameter and optimizer state in its own shape (see ``fsdp.dcp`` [Note: flat pieces
+as DCP chunks]) under ``state_dict`` and ``optimizer_states``, and ``meta.pt`` (everything else, written by
+rank 0 through ``checkpoint_io``). It resumes on any number of ranks, and torch's ``dcp_to_torch_save``
+turns it into one file (with ``meta.pt``'s entries, a full checkpoint; tied parameters appear once).
+Folders of ``rank_<r>.pt`` files (lightning-haiscale 0.1) still load. Tensors already on the CPU are
+never copied a second time to "offload" them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from lightning_haiscale.fsdp import (
     sharded_optim_state_dict,
     sharded_state_dict,
 )
+from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy, check_policy
 from lightning_haiscale.hfreduce import Communicator
 from lightning_haiscale.strategies.arguments import check_bool, check_choice
@@ -169,15 +174,13 @@ class HaiFSDPStrategy(HaiParallelStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero:
-            if path.is_file():
-                path.unlink()
-            path.mkdir(parents=True, exist_ok=True)
+        if self.is_global_zero and path.is_file():
+            path.unlink()
         self.barrier()
-        shard = {"state_dict": checkpoint.pop("state_dict"), "optimizer_states": checkpoint.pop("optimizer_states", [])}
-        torch.save(shard, path / f"rank_{self.global_rank}.pt")
+        model_shard, optim_shards = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+        save_dcp(path, model_shard, optim_shards, self._wrapper().comm.group)  # creates the folder
         if self.is_global_zero:
-            torch.save({**checkpoint, "hai_fsdp_world_size": self.world_size}, path / _META_FILE)
+            self.checkpoint_io.save_checkpoint(checkpoint, path / _META_FILE, storage_options=storage_options)
         self.barrier()
 
     @override
@@ -189,7 +192,14 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         model = self._wrapper()
         optimizers = self.optimizers if self.lightning_module.trainer.state.fn == TrainerFn.FITTING else []
-        if path.is_dir():
+        if is_dcp_folder(path):
+            meta = dict(self.checkpoint_io.load_checkpoint(path / _META_FILE, weights_only=weights_only))
+            model_shard, optim_shards = load_dcp(path, model, len(optimizers), strict=strict)
+            load_sharded_state_dict(model, [model_shard], strict=strict)
+            for optimizer, shard in zip(optimizers, optim_shards, strict=True):
+                load_sharded_optim_state_dict(model, optimizer, [shard])
+            return meta
+        if path.is_dir():  # the rank_<r>.pt folders of lightning-haiscale 0.1
             meta = torch.load(path / _META_FILE, map_location="cpu", weights_only=safe)
             files = [path / f"rank_{r}.pt" for r in range(meta.pop("hai_fsdp_world_size"))]
             load_sharded_state_dict(model, (_mmap(f, safe)["state_dict"] for f in files), strict=strict)

@@ -1,8 +1,9 @@
 """``Trainer(strategy="hai_fsdp")`` against a single process, on externally launched ranks.
 
 One spawn at world 2 checks several behaviours (parity with accumulation and clipping, checkpoints,
-bf16; 2 shared cores), one at world 3 resumes its sharded checkpoint. Tolerance: relative 1e-5 of each
-parameter; a resumed run's losses and weights equal the uninterrupted run's bit-for-bit.
+bf16; 2 shared cores), one at world 4 resumes its sharded and full checkpoints with the same losses.
+Tolerance: relative 1e-5 of each parameter; a resumed run's losses and weights equal the uninterrupted
+run's bit-for-bit.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def _resume(rank: int, world: int, tmp: Path) -> None:
         callbacks=[savers[1]],
         enable_checkpointing=True,
     )
-    assert (tmp / "sharded" / "step=3.ckpt" / f"rank_{rank}.pt").is_file()
+    assert (tmp / "sharded" / "step=3.ckpt" / ".metadata").is_file()  # torch.distributed.checkpoint format
     for kind in ("full", "sharded"):
         resumed = _Losses()
         ckpt = tmp / kind / "step=3.ckpt"
@@ -152,21 +153,30 @@ def _run_all(rank: int, world: int, tmp: str, checks: list[Any]) -> None:
         dist.barrier()
 
 
-def _resume_on_three_ranks(rank: int, world: int, tmp: str) -> None:
-    """The world-2 sharded checkpoint at step 3 loads on 3 ranks: the same weights as its full twin."""
-    data = lm_dataset(CFG, 9 * BATCH)
+def _resume_on_four_ranks(rank: int, world: int, tmp: str) -> list[list[float]]:
+    """The world-2 checkpoints at step 3 resume on 4 ranks: the sharded one loads the full one's weights,
+    and the next 3 steps' losses are the same from either."""
+    data = lm_dataset(CFG, 6 * world * BATCH)
+    losses = []
+    for kind in ("sharded", "full"):
+        resumed = _Losses()
+        ckpt = Path(tmp) / kind / "step=3.ckpt"
+        trainer = quiet_fit(_GPT(CFG), _strategy(), 6, data, BATCH, callbacks=[resumed], ckpt_path=ckpt)
+        assert trainer.global_step == 6
+        losses.append(resumed.losses)
     trainer = quiet_fit(_GPT(CFG), _strategy(), 3, data, BATCH, ckpt_path=Path(tmp) / "sharded" / "step=3.ckpt")
-    assert trainer.global_step == 3
     loaded = full_state_dict(trainer.strategy.model)
     if rank == 0:
         saved = torch.load(Path(tmp) / "full" / "step=3.ckpt", weights_only=True)["state_dict"]
         assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    return losses
 
 
 def test_hai_fsdp_strategy(tmp_path: Path) -> None:
     checks = [_parity_accumulation_and_full_checkpoint, _resume, _bf16_mixed]
     run_distributed(_run_all, 2, str(tmp_path), checks, timeout=240)
-    run_distributed(_resume_on_three_ranks, 3, str(tmp_path), timeout=120)
+    sharded, full = run_distributed(_resume_on_four_ranks, 4, str(tmp_path), timeout=300)[0]
+    assert len(sharded) == 3 and sharded == full  # bit-for-bit
 
 
 def test_bad_state_dict_type() -> None:
