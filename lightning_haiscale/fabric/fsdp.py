@@ -1,10 +1,11 @@
 """Fabric's ``"hai_fsdp"``: sharded data parallel on the hfreduce engine, for Lightning Fabric.
 
 [Note: Fabric checkpoints] ``fabric.save(path, state)`` with ``state_dict_type="full"`` writes one file on
-rank 0: each module's full state dict (bare-module keys) and each optimizer's state keyed by parameter name,
-as the Trainer strategy writes them. ``"sharded"``: a folder with ``rank_<r>.pt`` (this rank's pieces of each
-module and optimizer) and ``meta.pt`` (everything else and the world size); it loads on any number of ranks.
-``fabric.load`` reads either form, and full optimizer states saved by ddp or one device (keyed by position).
+rank 0: the module's full state dict (bare-module keys) and each optimizer's state keyed by parameter name,
+as the Trainer strategy writes them. ``"sharded"``: a ``torch.distributed.checkpoint`` folder as the Trainer
+strategy writes (see ``fsdp.dcp``) and ``meta.pt`` (everything else, and which names were the module and the
+optimizers); it loads on any number of ranks. ``fabric.load`` reads either form, and full optimizer states
+saved by ddp or one device (keyed by position).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from lightning_haiscale.fsdp import (
     sharded_optim_state_dict,
     sharded_state_dict,
 )
+from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout
 from lightning_haiscale.strategies.fsdp import hai_fsdp_options, wrap_hai_fsdp
@@ -44,6 +46,7 @@ from lightning_haiscale.strategies.fsdp import hai_fsdp_options, wrap_hai_fsdp
 __all__ = ["HaiFSDPStrategy"]
 
 _META_FILE = "meta.pt"
+_NAMES = "hai_fsdp_names"  # in meta.pt: which entries of the state were the module and the optimizers
 
 
 class HaiFSDPStrategy(DDPStrategy, _Sharded):
@@ -153,27 +156,36 @@ class HaiFSDPStrategy(DDPStrategy, _Sharded):
         if filter:
             raise ValueError("hai_fsdp does not support fabric.save(..., filter=...)")
         model = _the_module(state)
-        sharded = self.state_dict_type == "sharded"
-        pieces, rest = {}, {}
+        if self.state_dict_type == "sharded":
+            self._save_sharded(Path(self.broadcast(str(path))), model, state, storage_options)
+            return
+        full = {}
         for name, value in state.items():
             if isinstance(value, FullyShardedDataParallel):
-                pieces[name] = sharded_state_dict(value) if sharded else full_state_dict(value)
+                full[name] = full_state_dict(value)
             elif isinstance(value, Optimizer):
-                opt = sharded_optim_state_dict if sharded else full_optim_state_dict
-                pieces[name] = opt(model, value)
+                full[name] = full_optim_state_dict(model, value)
             else:
-                rest[name] = value.state_dict() if hasattr(value, "state_dict") else value
-        if not sharded:
-            if self.is_global_zero:
-                self.checkpoint_io.save_checkpoint({**rest, **pieces}, path, storage_options=storage_options)
-            self.barrier()
-            return
-        folder = Path(self.broadcast(str(path)))
+                full[name] = value.state_dict() if hasattr(value, "state_dict") else value
         if self.is_global_zero:
-            folder.mkdir(parents=True, exist_ok=True)
-            torch.save({**rest, "hai_fsdp_world_size": self.world_size}, folder / _META_FILE)
+            self.checkpoint_io.save_checkpoint(full, path, storage_options=storage_options)
         self.barrier()
-        torch.save(pieces, folder / f"rank_{self.global_rank}.pt")
+
+    def _save_sharded(
+        self, folder: Path, model: FullyShardedDataParallel, state: dict[str, Any], storage_options: Any
+    ) -> None:
+        optimizers = [name for name, value in state.items() if isinstance(value, Optimizer)]
+        module = next(name for name, value in state.items() if value is model)
+        shards = [sharded_optim_state_dict(model, state[name]) for name in optimizers]
+        save_dcp(folder, sharded_state_dict(model), shards, model.comm.group)
+        rest = {
+            name: value.state_dict() if hasattr(value, "state_dict") else value
+            for name, value in state.items()
+            if name != module and name not in optimizers
+        }
+        if self.is_global_zero:
+            names = {"module": module, "optimizers": optimizers}
+            self.checkpoint_io.save_checkpoint({**rest, _NAMES: names}, folder / _META_FILE, storage_options)
         self.barrier()
 
     @override
@@ -182,21 +194,19 @@ class HaiFSDPStrategy(DDPStrategy, _Sharded):
     ) -> dict[str, Any]:
         """Loads into the modules and optimizers of ``state`` in place; returns what they did not take."""
         path = Path(path)
-        safe = True if weights_only is None else weights_only
         if not isinstance(state, dict) or not state:
             raise ValueError("hai_fsdp loads into a dict of objects: fabric.load(path, {'model': model, ...})")
         model = _the_module(state)
-        if path.is_dir():
-            checkpoint = torch.load(path / _META_FILE, map_location="cpu", weights_only=safe)
-            files = [path / f"rank_{r}.pt" for r in range(checkpoint.pop("hai_fsdp_world_size"))]
-            for name, value in state.items():
-                shards = (_mmap(f, safe)[name] for f in files)
-                if isinstance(value, FullyShardedDataParallel):
-                    load_sharded_state_dict(value, shards, strict=strict)
-                elif isinstance(value, Optimizer):
-                    load_sharded_optim_state_dict(model, value, shards)
+        if is_dcp_folder(path):
+            checkpoint = dict(self.checkpoint_io.load_checkpoint(path / _META_FILE, weights_only=weights_only))
+            names = checkpoint.pop(_NAMES)
+            model_shard, optim_shards = load_dcp(path, model, len(names["optimizers"]), strict=strict)
+            load_sharded_state_dict(model, [model_shard], strict=strict)
+            for name, shard in zip(names["optimizers"], optim_shards, strict=True):
+                if isinstance(state.get(name), Optimizer):
+                    load_sharded_optim_state_dict(model, state[name], [shard])
         else:
-            checkpoint = _mmap(path, safe)
+            checkpoint = dict(self.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
             for name, value in state.items():
                 if isinstance(value, FullyShardedDataParallel):
                     load_full_state_dict(value, checkpoint.pop(name), strict=strict)
@@ -229,10 +239,6 @@ def _the_module(state: dict[str, Any]) -> FullyShardedDataParallel:
     if len(modules) != 1:
         raise ValueError(f"hai_fsdp checkpoints hold one module set up by fabric.setup; the state has {len(modules)}")
     return modules[0]
-
-
-def _mmap(path: Path, weights_only: bool) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
 
 
 class _ShardedBackwardSyncControl(_BackwardSyncControl):

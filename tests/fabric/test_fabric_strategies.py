@@ -91,7 +91,7 @@ def _train(rank: int, world: int, name: str, tmp: str, kinds: list[str]) -> dict
         fabric.strategy.state_dict_type = kind  # hai_fsdp: "full" or "sharded"; hai_ddp saves full anyway
         path = Path(tmp, f"{name}-{kind}.ckpt")
         fabric.save(path, {"model": model, "optimizer": optimizer, "step": STEPS})
-        assert path.is_dir() == (kind == "sharded")
+        assert path.is_dir() == (kind == "sharded") and Path(path, ".metadata").exists() == (kind == "sharded")
         module = fabric.setup_module(_model())  # separate setup, as Fabric's FSDP docs order it
         fresh = fabric.setup_optimizers(_optimizer(module))
         remainder = fabric.load(path, {"model": module, "optimizer": fresh})
