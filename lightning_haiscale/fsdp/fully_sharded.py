@@ -254,7 +254,7 @@ class FullyShardedDataParallel(nn.Module):
             raise RuntimeError("summon_full_params() cannot run inside forward or backward; call it between steps")
         if self._holds_full is not None:
             raise RuntimeError("summon_full_params() is already active on this model; do not nest it")
-        self._arrival("summon_full_params()")
+        self.expect_every_rank("summon_full_params()")
         summoned: list[tuple[FSDPParamGroup, torch.Tensor]] = []
         self._holds_full = not rank0_only or self.comm.rank == 0
         try:
@@ -276,6 +276,11 @@ class FullyShardedDataParallel(nn.Module):
                 if writeback:
                     group.write_back(full)
                 group.use_pieces()
+
+    def expect_every_rank(self, call: str, hint: str = "") -> None:
+        """Before a collective ``call``: raises :class:`~lightning_haiscale.fsdp.arrival.CollectiveMisuseError`
+        unless every rank makes it within ``arrival_timeout`` (see [Note: why an arrival check])."""
+        self._arrival(call, hint)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scales the gradients so that their norm over all ranks is at most ``max_norm``; returns that norm."""
@@ -302,8 +307,8 @@ class FullyShardedDataParallel(nn.Module):
             return sharded_state_dict(self)
         if self._holds_full is not None:
             return summoned_state_dict(self.module) if self._holds_full else {}
-        self._arrival("state_dict()", " outside summon_full_params")
-        return full_state_dict(self)
+        self.expect_every_rank("state_dict()", " outside summon_full_params")
+        return full_state_dict(self, check_arrival=False)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Loads a full state dict (on every rank) or this world's sharded ones, per :meth:`state_dict_type`."""

@@ -77,7 +77,9 @@ def sharded_optim_state_dict(model: FullyShardedDataParallel, optimizer: torch.o
 def full_optim_state_dict(
     model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, rank0_only: bool = True
 ) -> dict[str, Any]:
-    """Whole optimizer state by parameter name, on the CPU of rank 0 (``{}`` elsewhere). Collective."""
+    """Whole optimizer state by parameter name, on the CPU of rank 0 (``{}`` elsewhere). Collective: a call
+    on a subset of ranks raises ``CollectiveMisuseError``."""
+    model.expect_every_rank("full_optim_state_dict()")
     entries = _entries(model)
     local = {id(p): v for p, v in optimizer.state.items()}
     keys = _sharded_keys(model, local)

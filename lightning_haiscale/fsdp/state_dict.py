@@ -38,9 +38,14 @@ def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
 
 
-def full_state_dict(model: FullyShardedDataParallel, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-    """Every parameter whole, on the CPU, keyed as the bare module's ``state_dict()``. Collective; gathers
-    one unit at a time. With ``rank0_only`` the other ranks get ``{}``."""
+def full_state_dict(
+    model: FullyShardedDataParallel, rank0_only: bool = True, *, check_arrival: bool = True
+) -> dict[str, torch.Tensor]:
+    """Every parameter whole, on the CPU, keyed as the bare module's ``state_dict()``. Collective (a call on a
+    subset of ranks raises, unless ``check_arrival=False``); gathers one unit at a time. With ``rank0_only``
+    the other ranks get ``{}``."""
+    if check_arrival:
+        model.expect_every_rank("full_state_dict()")
     keep = not rank0_only or model.comm.rank == 0
     values: dict[str, torch.Tensor] = {}
     for group in model._groups.values():
