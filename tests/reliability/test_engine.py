@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch import nn
 
 from lightning_haiscale.ddp import DistributedDataParallel
@@ -23,7 +24,7 @@ from lightning_haiscale.hfreduce import (
     HFReduceMismatchError,
     SharedMemoryTooSmallError,
 )
-from tests.distributed import free_port, run_distributed
+from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,7 +116,13 @@ os._exit(1)
 
 
 def test_a_dead_unreaped_peer_is_reported_within_a_second() -> None:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(find_free_network_port()),
+        WORLD_SIZE="2",
+        PYTHONPATH=str(ROOT),
+    )
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _ZOMBIE_RANK], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, text=True
