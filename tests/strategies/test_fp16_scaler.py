@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -83,3 +84,19 @@ def _fp16_checks(rank: int, world: int, tmp: str) -> None:
 
 def test_fp16_loss_scaling_and_agreed_skips(tmp_path: Any) -> None:
     run_distributed(_fp16_checks, 2, str(tmp_path), timeout=240)
+
+
+def test_plain_scaler_is_converted_with_its_settings_and_a_custom_one_refused() -> None:
+    strategy = PipeDreamStrategy(chunks=2)
+    strategy.precision_plugin = _fp16()
+    strategy._agree_on_inf()
+    scaler = strategy.precision_plugin.scaler
+    assert isinstance(scaler, ShardedGradScaler)
+    assert scaler.get_scale() == SCALE and scaler.get_growth_interval() == 10**6
+
+    class _Custom(torch.amp.GradScaler):
+        pass
+
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=_Custom("cpu"))
+    with pytest.raises(TypeError, match=r"must agree on inf/NaN.*ShardedGradScaler"):
+        strategy._agree_on_inf()
