@@ -42,6 +42,7 @@ from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout
 from lightning_haiscale.strategies.fsdp import hai_fsdp_options, wrap_hai_fsdp
+from lightning_haiscale.strategies.parallel import agree_on_inf
 
 __all__ = ["HaiFSDPStrategy"]
 
@@ -87,6 +88,11 @@ class HaiFSDPStrategy(DDPStrategy, _Sharded):
         self.state_dict_type = check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
         self._fsdp_kwargs = options
         self._backward_sync_control = _ShardedBackwardSyncControl()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        agree_on_inf(self.precision, type(self).__name__)  # 16-mixed: see [Note: fp16 on a split model]
 
     # ---------------------------------------------------------------------------- model
 

@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lightning_haiscale.strategies.arguments import check_timeout
 
-__all__ = ["HaiParallelStrategy"]
+__all__ = ["HaiParallelStrategy", "agree_on_inf"]
 
 
 class HaiParallelStrategy(ParallelStrategy):
@@ -132,29 +132,9 @@ class HaiParallelStrategy(ParallelStrategy):
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
 
     def _agree_on_inf(self) -> None:
-        """16-mixed: makes the loss scaler decide to skip a step on every rank alike.
-
-        [Note: fp16 on a split model] ``GradScaler`` skips the optimizer step when it finds an inf/NaN in
-        the gradients it unscales. Each rank here holds only a part of the gradients (a shard, a stage), so
-        with a plain scaler one rank would skip while the others step, and the replicas would silently
-        diverge. torch's ``ShardedGradScaler`` (what Lightning's FSDP precision uses) all-reduces the found-inf
-        flag over the world before stepping; the plain scaler is replaced by one with the same settings and
-        state, so a checkpoint's scaler state still loads. A custom scaler class cannot be converted safely.
-        """
-        plugin = self.precision_plugin
-        scaler = getattr(plugin, "scaler", None)
-        if not isinstance(plugin, MixedPrecision) or scaler is None or isinstance(scaler, ShardedGradScaler):
-            return
-        if type(scaler) not in (torch.amp.GradScaler, torch.cuda.amp.GradScaler):
-            raise TypeError(
-                f"{type(self).__name__} splits the model across ranks, so the fp16 loss scaler must agree on inf/NaN "
-                f"over all of them; got {type(scaler).__name__}: pass MixedPrecision(..., scaler=torch.distributed."
-                "fsdp.sharded_grad_scaler.ShardedGradScaler(...)) instead"
-            )
-        agreed = ShardedGradScaler(plugin.device, enabled=scaler.is_enabled(), process_group=None)
-        if scaler.is_enabled():
-            agreed.load_state_dict(scaler.state_dict())
-        plugin.scaler = agreed
+        """16-mixed: makes the loss scaler decide to skip a step on every rank alike (see agree_on_inf)."""
+        if isinstance(self.precision_plugin, MixedPrecision):
+            agree_on_inf(self.precision_plugin, type(self).__name__)
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         self.clip_grad_norm_(clip_val)
@@ -188,3 +168,28 @@ class HaiParallelStrategy(ParallelStrategy):
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+def agree_on_inf(plugin: Any, owner: str) -> None:
+    """Replaces a mixed-precision plugin's plain ``GradScaler`` by an agreeing one (Trainer and Fabric plugins).
+
+    [Note: fp16 on a split model] ``GradScaler`` skips the optimizer step when it finds an inf/NaN in
+    the gradients it unscales. Each rank here holds only a part of the gradients (a shard, a stage), so
+    with a plain scaler one rank would skip while the others step, and the replicas would silently
+    diverge. torch's ``ShardedGradScaler`` (what Lightning's FSDP precision uses) all-reduces the found-inf
+    flag over the world before stepping; the plain scaler is replaced by one with the same settings and
+    state, so a checkpoint's scaler state still loads. A custom scaler class cannot be converted safely.
+    """
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is None or isinstance(scaler, ShardedGradScaler):
+        return
+    if type(scaler) not in (torch.amp.GradScaler, torch.cuda.amp.GradScaler):
+        raise TypeError(
+            f"{owner} splits the model across ranks, so the fp16 loss scaler must agree on inf/NaN "
+            f"over all of them; got {type(scaler).__name__}: pass MixedPrecision(..., scaler=torch.distributed."
+            "fsdp.sharded_grad_scaler.ShardedGradScaler(...)) instead"
+        )
+    agreed = ShardedGradScaler(plugin.device, enabled=scaler.is_enabled(), process_group=None)
+    if scaler.is_enabled():
+        agreed.load_state_dict(scaler.state_dict())
+    plugin.scaler = agreed

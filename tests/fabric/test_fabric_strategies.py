@@ -14,7 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import lightning_haiscale  # noqa: F401  (registers the Fabric names)
 from lightning_haiscale.fabric import HaiDDPStrategy, HaiFSDPStrategy
@@ -137,3 +139,29 @@ def test_fabric_hai_fsdp_matches_one_process(tmp_path: Path) -> None:
 def test_registered_under_the_trainer_names() -> None:
     assert isinstance(Fabric(strategy="hai_ddp", accelerator="cpu", devices=2).strategy, HaiDDPStrategy)
     assert isinstance(Fabric(strategy="hai_fsdp", accelerator="cpu", devices=2).strategy, HaiFSDPStrategy)
+
+
+def _fp16_inf_on_one_rank(rank: int, world: int, tmp: str) -> tuple[float, bool]:
+    """As CUDA builds it (CPU Lightning turns 16-mixed into bf16): fp16 autocast with a loss scaler."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
+    fabric = Fabric(
+        accelerator="cpu", devices=world, strategy="hai_fsdp", plugins=[MixedPrecision("16-mixed", "cpu", scaler)]
+    )
+    fabric.launch()
+    assert isinstance(fabric.strategy.precision.scaler, ShardedGradScaler)
+    model, optimizer = fabric.setup(*_joint())
+    before = _saved_weights(fabric, model, Path(tmp, "before.ckpt"))
+    x, y = _rows(0, 0, world, rank)
+    fabric.backward(F.mse_loss(model(x), y))
+    if rank == 1:
+        next(p for p in model.parameters() if p.grad is not None and p.grad.numel()).grad.view(-1)[0] = float("inf")
+    optimizer.step()
+    after = _saved_weights(fabric, model, Path(tmp, "after.ckpt"))
+    return fabric.strategy.precision.scaler.get_scale(), before == after
+
+
+def test_fabric_hai_fsdp_fp16_skips_on_every_rank(tmp_path: Path) -> None:
+    """An inf in one rank's shard: every rank skips the step and halves the scale alike."""
+    results = run_distributed(_fp16_inf_on_one_rank, 2, str(tmp_path), timeout=120)
+    assert [scale for scale, _ in results] == [512.0, 512.0]
+    assert results[0][1], "the parameters changed despite the inf"

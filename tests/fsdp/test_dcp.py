@@ -42,8 +42,11 @@ def test_boxes_cover_exactly_the_flat_range_in_order(shape: tuple[int, ...]) -> 
         expected[start:end] = 1
         assert torch.equal(painted.reshape(-1), expected), (shape, start, end)
         positions = [first for first, _ in flat_order]
-        assert positions[0] == start and all(  # contiguous, in flat order
-            a + size == b for (a, size), b in zip(flat_order, positions[1:], strict=False)
+        assert (
+            positions[0] == start
+            and all(  # contiguous, in flat order
+                a + size == b for (a, size), b in zip(flat_order, positions[1:], strict=False)
+            )
         ), (shape, start, end)
 
 
