@@ -31,6 +31,7 @@ gloo is matched the same way (every message has tag 0), so gloo runs exercise th
 
 from __future__ import annotations
 
+import bisect
 import enum
 import re
 from collections.abc import Callable
@@ -170,38 +171,27 @@ def add_communication(compute: dict[int, list[Action]], num_stages: int) -> dict
     deadlock (a forward or backward waits for a message that is never sent before it).
     """
     rounds = compute_rounds(compute, num_stages)
-    placed: dict[int, list[list[tuple[tuple[int, int, int, int], Action]]]] = {
+    round_of = {a: at for rank, actions in compute.items() for a, at in zip(actions, rounds[rank], strict=True)}
+    # slots[rank][i]: the transfers after the rank's i-th compute (slot 0: before its first), with sort keys
+    slots: dict[int, list[list[tuple[tuple[int, ...], Action]]]] = {
         rank: [[] for _ in range(len(actions) + 1)] for rank, actions in compute.items()
     }
     for rank, actions in compute.items():
-        for action, at in zip(actions, rounds[rank], strict=True):
-            for send in _sends(action, num_stages):
-                _place(placed, compute, rounds, rank, at, send)
-            receive = _message_of(action, num_stages)
-            if receive is not None:
-                peer_stage = action.stage - 1 if action.type is F else action.stage + 1
-                peer = _rank_of_stage(compute, peer_stage)
-                _place(placed, compute, rounds, rank, rounds[peer][compute[peer].index(receive)], _recv_for(action))
+        for action in actions:
+            transfers = [(round_of[action], send) for send in _sends(action, num_stages)]
+            producer = _message_of(action, num_stages)
+            if producer is not None:
+                transfers.append((round_of[producer], _recv_for(action)))
+            for at, transfer in transfers:  # after the rank's last compute in a round <= the message's
+                slot = bisect.bisect_right(rounds[rank], at)
+                slots[rank][slot].append(((at, *_message_key(transfer)), transfer))
     schedule: dict[int, list[Action]] = {}
     for rank, actions in compute.items():
-        slots = [[a for _, a in sorted(slot, key=lambda item: item[0])] for slot in placed[rank]]
-        schedule[rank] = slots[0] + [
-            a for action, slot in zip(actions, slots[1:], strict=True) for a in [action, *slot]
+        ordered = [[a for _, a in sorted(slot, key=lambda item: item[0])] for slot in slots[rank]]
+        schedule[rank] = ordered[0] + [
+            a for action, after in zip(actions, ordered[1:], strict=True) for a in [action, *after]
         ]
     return schedule
-
-
-def _place(
-    placed: dict[int, list[list[tuple[tuple[int, int, int, int], Action]]]],
-    compute: dict[int, list[Action]],
-    rounds: dict[int, list[int]],
-    rank: int,
-    at: int,
-    transfer: Action,
-) -> None:
-    """Puts ``transfer`` (of a message sent in round ``at``) after the last compute of ``rank`` in a round <= ``at``."""
-    slot = sum(1 for r in rounds[rank] if r <= at)
-    placed[rank][slot].append(((at, *_message_key(transfer)), transfer))
 
 
 def _message_key(transfer: Action) -> tuple[int, int, int]:
@@ -213,10 +203,6 @@ def _message_key(transfer: Action) -> tuple[int, int, int]:
     if transfer.type is ActionType.SEND_B:
         return (1, transfer.stage - 1, transfer.microbatch)
     return (1, transfer.stage, transfer.microbatch)
-
-
-def _rank_of_stage(compute: dict[int, list[Action]], stage: int) -> int:
-    return stage % len(compute)
 
 
 def _message_of(action: Action, num_stages: int) -> Action | None:
@@ -409,8 +395,8 @@ class _NcclModel:
         self.schedule, self.num_stages, self.every = schedule, num_stages, header_every_microbatch
         self.programs = {rank: lower(actions, header_every_microbatch) for rank, actions in schedule.items()}
         self.position = dict.fromkeys(schedule, 0)
-        self.streams: dict[int, list[set[tuple[int, Transfer]]]] = {rank: [] for rank in schedule}
-        self.done: set[tuple[int, Transfer]] = set()
+        self.streams: dict[int, list[set[_Key]]] = {rank: [] for rank in schedule}
+        self.done: set[_Key] = set()
         self.links: dict[tuple[int, int], tuple[list[Transfer], list[Transfer], list[int]]] = {}
 
     def finished(self) -> bool:
@@ -437,12 +423,12 @@ class _NcclModel:
     def _ready(self, rank: int, item: Action | Batch) -> bool:
         if isinstance(item, Action):
             needed = _receives(item, self.num_stages)
-            return all((rank, Transfer(r)) in self.done for r in needed)
+            return all(_key(Transfer(r)) in self.done for r in needed)
         headers = [header_of(t, self.every) for t in item]
-        return all((rank, h) in self.done for h in headers if h is not None)
+        return all(_key(h) in self.done for h in headers if h is not None)
 
     def _issue(self, rank: int, batch: Batch) -> None:
-        self.streams[rank].append({(rank, t) for t in batch})
+        self.streams[rank].append({_key(t) for t in batch})
         for t in batch:
             peer = self._rank(t.peer_stage)
             link = (rank, peer) if t.is_send else (peer, rank)
@@ -465,7 +451,7 @@ class _NcclModel:
                         )
                     if not (self._running(src, send) and self._running(dst, recv)):
                         break
-                    self.done |= {(src, send), (dst, recv)}
+                    self.done |= {_key(send), _key(recv)}
                     matched[0] += 1
                     changed = True
             for stream in self.streams.values():
@@ -477,16 +463,28 @@ class _NcclModel:
 
     def _running(self, rank: int, transfer: Transfer) -> bool:
         stream = self.streams[rank]
-        return bool(stream) and (rank, transfer) in stream[0]
+        return bool(stream) and _key(transfer) in stream[0]
 
     def blocked(self) -> str:
         parts = []
         for rank, program in self.programs.items():
             at = self.position[rank]
             waiting = str(program[at]) if at < len(program) and isinstance(program[at], Action) else "issuing"
-            running = sorted(str(t) for _, t in self.streams[rank][0] - self.done) if self.streams[rank] else []
+            running = sorted(_name(k) for k in self.streams[rank][0] - self.done) if self.streams[rank] else []
             parts.append(f"rank {rank}: next {waiting}, stream waits on {running}")
         return "; ".join(parts)
+
+
+_Key = tuple[int, str, int, bool]
+
+
+def _key(t: Transfer) -> _Key:
+    """A transfer as a plain tuple (unique in a step: the stage's rank is implied): cheap to hash and compare."""
+    return (t.action.stage, t.action.type.value, t.action.microbatch, t.header)
+
+
+def _name(key: _Key) -> str:
+    return str(Transfer(Action(key[0], ActionType(key[1]), key[2]), key[3]))
 
 
 def live_activation_peak(actions: list[Action]) -> int:
