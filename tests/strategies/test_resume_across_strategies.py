@@ -1,13 +1,14 @@
 """A checkpoint written under one strategy resumes under ``hai_fsdp`` with its optimizer state, and a hai_fsdp
-full checkpoint resumes under ddp and hai_ddp.
+full checkpoint resumes under ddp, hai_ddp and one device.
 
 Was: a ddp, hai_ddp or single-device checkpoint failed with ``KeyError: 0`` in ``fsdp/optim_state.py``:
 torch keys optimizer states by position, hai_fsdp expected parameter names. SGD with momentum (whose
 buffers change every later step, so a lost state shows) in two parameter groups (positions run across
-groups). Each source trains 6 steps with a checkpoint at step 3; resuming at step 3 under hai_fsdp must
-give the source's own losses for steps 4-6: bit-for-bit from hai_fsdp checkpoints, to a relative 1e-5
-across strategies (a different reduction order; one device sums the batch in one piece). Measured: ddp and
-hai_ddp into hai_fsdp were bit-for-bit too on this model.
+groups); ddp into hai_fsdp also with AdamW. Each source trains 6 steps with a checkpoint at step 3;
+resuming at step 3 under another strategy must give the source's own losses for steps 4-6: bit-for-bit
+from hai_fsdp checkpoints into hai_fsdp, to a relative 1e-5 across strategies (a different reduction
+order; one device sums the batch in one piece). Measured: ddp and hai_ddp into hai_fsdp were
+bit-for-bit too on this model.
 """
 
 from __future__ import annotations
@@ -40,11 +41,21 @@ class _MomentumGPT(_GPT):
         return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
 
 
+class _AdamWGPT(_MomentumGPT):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=1e-2)
+
+
+def _module(name: str) -> _GPT:
+    torch.manual_seed(0)
+    return _AdamWGPT(CFG) if name.endswith("adamw") else _MomentumGPT(CFG)
+
+
 def _strategy(name: str) -> Any:
     if name.startswith("hai_fsdp"):
         kind = "sharded" if name.endswith("sharded") else "full"
         return HaiFSDPStrategy(auto_wrap_policy={Block}, param_init_fn=deterministic_init, state_dict_type=kind)
-    return name
+    return name.removesuffix("_adamw")
 
 
 def _train(name: str, tmp: Path, world: int) -> list[float]:
@@ -52,10 +63,8 @@ def _train(name: str, tmp: Path, world: int) -> list[float]:
     data = lm_dataset(CFG, 3 * 2 * BATCH)
     losses = _Losses()
     saver = ModelCheckpoint(dirpath=tmp / name, filename="{step}", every_n_train_steps=3, save_top_k=-1)
-    torch.manual_seed(0)
-    module = _MomentumGPT(CFG)
     batch, callbacks = BATCH * 2 // world, [losses, saver]
-    quiet_fit(module, _strategy(name), 6, data, batch, callbacks=callbacks, enable_checkpointing=True)
+    quiet_fit(_module(name), _strategy(name), 6, data, batch, callbacks=callbacks, enable_checkpointing=True)
     return losses.losses
 
 
@@ -79,16 +88,18 @@ class _TwoRanksOrder(Sampler[int]):
         return sum(len(sampler) for sampler in self.ranks)
 
 
-def _single_device(rank: int, world: int, tmp: str) -> list[float]:
+def _single_device(rank: int, world: int, tmp: str, resume_from: str | None = None) -> list[float]:
+    """6 steps on one device, saving at step 3; or, from ``resume_from``'s step-3 checkpoint, steps 4-6."""
     data = lm_dataset(CFG, 3 * 2 * BATCH)
     losses = _Losses()
     saver = ModelCheckpoint(dirpath=Path(tmp, "single_device"), filename="{step}", every_n_train_steps=3, save_top_k=-1)
-    torch.manual_seed(0)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=6, logger=False, callbacks=[losses, saver], enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )  # fmt: skip
-    trainer.fit(_MomentumGPT(CFG), DataLoader(data, batch_size=2 * BATCH, sampler=_TwoRanksOrder(data)))
+    ckpt = None if resume_from is None else Path(tmp, resume_from, "step=3.ckpt")
+    loader = DataLoader(data, batch_size=2 * BATCH, sampler=_TwoRanksOrder(data))
+    trainer.fit(_module("single_device"), loader, ckpt_path=ckpt)
     return losses.losses
 
 
@@ -99,22 +110,23 @@ def _resume_under_hai_fsdp(rank: int, world: int, tmp: str, sources: list[str]) 
         resumed = _Losses()
         data = lm_dataset(CFG, 3 * 2 * BATCH)
         ckpt = Path(tmp, source, "step=3.ckpt")
-        quiet_fit(_MomentumGPT(CFG), _strategy("hai_fsdp"), 6, data, BATCH, callbacks=[resumed], ckpt_path=ckpt)
+        quiet_fit(_module(source), _strategy("hai_fsdp"), 6, data, BATCH, callbacks=[resumed], ckpt_path=ckpt)
         results[source] = (whole[3:], resumed.losses)
         if source == "hai_fsdp":  # and back: a hai_fsdp full checkpoint resumes under ddp and hai_ddp
             for target in ("ddp", "hai_ddp"):
                 back = _Losses()
-                torch.manual_seed(0)
-                quiet_fit(_MomentumGPT(CFG), target, 6, data, BATCH, callbacks=[back], ckpt_path=ckpt)
+                quiet_fit(_module(target), target, 6, data, BATCH, callbacks=[back], ckpt_path=ckpt)
                 results[f"hai_fsdp->{target}"] = (whole[3:], back.losses)
     return results
 
 
 def test_checkpoints_resume_across_strategies(tmp_path: Path) -> None:
     single = run_distributed(_single_device, 1, str(tmp_path), timeout=120)[0]
-    sources = ["ddp", "hai_ddp", "hai_fsdp", "hai_fsdp_sharded"]
+    sources = ["ddp", "hai_ddp", "hai_fsdp", "hai_fsdp_sharded", "ddp_adamw"]
     results = run_distributed(_resume_under_hai_fsdp, 2, str(tmp_path), [*sources, "single_device"], timeout=400)[0]
     results["single_device"] = (single[3:], results["single_device"][1])
+    back = run_distributed(_single_device, 1, str(tmp_path), "hai_fsdp", timeout=120)[0]
+    results["hai_fsdp->single_device"] = (results["hai_fsdp"][0], back)
     for source, (expected, resumed) in results.items():
         assert len(resumed) == 3, source
         if source in ("hai_fsdp", "hai_fsdp_sharded"):
