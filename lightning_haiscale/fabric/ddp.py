@@ -87,6 +87,12 @@ class HaiDDPStrategy(DDPStrategy):
         strategy_registry.register(
             "hai_ddp_spawn", cls, description="hai_ddp started by torch.multiprocessing.spawn", start_method="spawn"
         )
+        strategy_registry.register(
+            "hai_ddp_find_unused_parameters_true",
+            cls,
+            description="hai_ddp with find_unused_parameters=True",
+            find_unused_parameters=True,
+        )
 
 
 def _unwrap(module: Module) -> Module:

@@ -139,6 +139,8 @@ def test_fabric_hai_fsdp_matches_one_process(tmp_path: Path) -> None:
 def test_registered_under_the_trainer_names() -> None:
     assert isinstance(Fabric(strategy="hai_ddp", accelerator="cpu", devices=2).strategy, HaiDDPStrategy)
     assert isinstance(Fabric(strategy="hai_fsdp", accelerator="cpu", devices=2).strategy, HaiFSDPStrategy)
+    unused = Fabric(strategy="hai_ddp_find_unused_parameters_true", accelerator="cpu", devices=2).strategy
+    assert unused._hai_kwargs["find_unused_parameters"] is True
 
 
 def _fp16_inf_on_one_rank(rank: int, world: int, tmp: str) -> tuple[float, bool]:
