@@ -9,7 +9,7 @@ TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.installed
 NATIVE := $(wildcard csrc/*.cpp csrc/*.h)
 
-.PHONY: install demo test bench lint check-sdist clean
+.PHONY: install demo test test-min bench lint check-sdist clean
 
 install: $(STAMP)
 
@@ -28,6 +28,25 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
+# The lowest supported versions (pyproject's floors) on the lowest supported Python: a smoke subset. The
+# first run downloads torch 2.6.0's CUDA build (about 3 GB; PyPI has no CPU build of it for Linux x86-64).
+MIN_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python) python3.10)  # pyenv's, if any
+MIN_VENV ?= .venv-min
+MIN_PINS := "torch==2.6.0" "lightning==2.5.0" "typing_extensions==4.10.0"
+MIN_TESTS := tests/hfreduce/test_kernels.py tests/hfreduce/test_native.py tests/ddp/test_buckets.py \
+	tests/pipeline/test_schedule.py tests/cpu_offload/test_selection.py \
+	tests/ddp/test_distributed.py::test_two_processes tests/strategies/test_hai_ddp.py::test_hai_ddp_on_two_processes
+
+test-min:
+	test -x $(MIN_VENV)/bin/python || $(MIN_PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install -q $(MIN_PINS) "setuptools>=77" wheel "pybind11>=2.12" "pytest>=8"
+	$(MIN_VENV)/bin/python -m pip install -q --no-build-isolation -e .
+	$(MIN_VENV)/bin/python -c "import torch, lightning; print('test-min on torch', torch.__version__, 'lightning', lightning.__version__)"
+	cd /tmp && OMP_NUM_THREADS=1 $(CURDIR)/$(MIN_VENV)/bin/python -m torch.distributed.run --nproc-per-node 2 \
+		$(CURDIR)/.ci/sdist_smoke.py allreduce --editable
+	cd /tmp && OMP_NUM_THREADS=1 $(CURDIR)/$(MIN_VENV)/bin/python $(CURDIR)/.ci/sdist_smoke.py fit --editable
+	OMP_NUM_THREADS=1 $(MIN_VENV)/bin/python -m pytest -q -p no:cacheprovider $(MIN_TESTS)
+
 bench: $(STAMP)
 	$(PIP) install -q "matplotlib>=3.7" || echo "matplotlib unavailable: the chart is skipped"
 	$(PY) -m benchmarks.report
@@ -40,4 +59,4 @@ check-sdist: $(STAMP)
 	.ci/sdist_check $(PY)
 
 clean:
-	rm -rf build dist *.egg-info lightning_haiscale/_C*.so $(VENV)
+	rm -rf build dist *.egg-info lightning_haiscale/_C*.so $(VENV) $(MIN_VENV)

@@ -3,6 +3,7 @@
     python -m torch.distributed.run --nproc-per-node 2 sdist_smoke.py allreduce   # the engine, 2 processes
     python sdist_smoke.py fit                                                     # 2 hai_ddp steps, 2 processes
 
+``--editable`` after the check's name accepts an editable install of this checkout (``make test-min``).
 Exits non-zero on any failure; prints one line per check on rank 0.
 """
 
@@ -22,11 +23,12 @@ import lightning_haiscale
 from lightning_haiscale.hfreduce import Communicator, simd_level
 
 SOURCE_TREE = Path(__file__).resolve().parents[1]
+EDITABLE = sys.argv[2:] == ["--editable"]
 
 
 def check_installed() -> str:
     where = Path(lightning_haiscale.__file__).resolve()
-    if SOURCE_TREE in where.parents:
+    if SOURCE_TREE in where.parents and not EDITABLE:
         raise SystemExit(f"lightning_haiscale was imported from the source tree ({where}), not the install")
     version = importlib.metadata.version("lightning-haiscale")
     if version != lightning_haiscale.__version__:

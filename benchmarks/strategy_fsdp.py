@@ -86,7 +86,7 @@ def _strategy(name: str) -> tuple[Any, type[GPTLightningModule]]:
     if name == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1), _FSDP2GPT
 
-    class CPUFSDPStrategy(FSDPStrategy):  # SPEC section 3: Lightning's "fsdp" refuses the CPU otherwise
+    class CPUFSDPStrategy(FSDPStrategy):  # Lightning's "fsdp" refuses accelerator="cpu" otherwise
         def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
             from torch.distributed.fsdp import FullyShardedDataParallel
 

@@ -87,7 +87,11 @@ class HaiParallelStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Makes Lightning inject a ``DistributedSampler`` and honor ``self.log(sync_dist=True)`` (SPEC section 3)."""
+        """Makes Lightning inject a ``DistributedSampler`` and honor ``self.log(sync_dist=True)``.
+
+        Lightning treats only its own DDP/FSDP/DeepSpeed/ModelParallel strategies as distributed otherwise:
+        without this, every rank would see the whole dataset and ``sync_dist`` would be silently local.
+        """
         return True
 
     @property

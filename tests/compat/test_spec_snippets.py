@@ -1,4 +1,4 @@
-"""Every haiscale snippet of SPEC 1.1 (the API its users know), run as written, against one process.
+"""Every snippet of haiscale's documented API (the one its users know), run as written, against one process.
 
 One spawned world per size runs them all (process start-up dominates on 2 cores). SGD throughout (Adam
 would hide a gradient scale); losses and final weights at rtol 1e-5, on 2 and 4 processes. Also decided
@@ -153,7 +153,7 @@ def gpipe_snippet(rank: int, world: int) -> dict:
     """``partition(seq, rank, world_size, balance=None)``, ``GPipe(stage, chunks, checkpoint="except_last")``,
     ``forward_backward(x, criterion=, labels=(y,), return_outputs=True)``, ``model(x)`` under ``no_grad``.
 
-    Only the last stage gets ``(losses[chunks], outputs)``, the others ``(None, None)``, as SPEC 1.1 says.
+    Only the last stage gets ``(losses[chunks], outputs)``, the others ``(None, None)``, as haiscale documents it.
     """
     stage = partition(mlp(), rank, world, balance=None)
     model = GPipe(stage, CHUNKS, checkpoint="except_last")
