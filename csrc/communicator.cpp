@@ -113,7 +113,7 @@ const char* collective_name(Collective collective) {
     case Collective::kAllReduce:
       return "all_reduce";
     case Collective::kAllReduceBuffer:
-      return "all_reduce of a shared buffer";
+      return "all_reduce";
     case Collective::kReduceScatter:
       return "reduce_scatter";
     case Collective::kAllGather:
@@ -169,7 +169,7 @@ std::string Fingerprint::describe() const {
   const bool per_rank = collective == Collective::kReduceScatter || collective == Collective::kAllGather;
   text += "(" + std::to_string(count) + " x " + dtype_name(static_cast<DType>(dtype)) + (per_rank ? " per rank" : "");
   if (collective == Collective::kBroadcast) text += ", root=rank " + std::to_string(arg);
-  if (collective == Collective::kAllReduceBuffer) text += " at byte " + std::to_string(arg);
+  if (collective == Collective::kAllReduceBuffer) text += " in a shared buffer at byte " + std::to_string(arg);
   if (collective != Collective::kBroadcast && collective != Collective::kAllGather) {
     text += divisor == 1 ? ", op=sum" : ", op=avg over " + std::to_string(static_cast<int64_t>(divisor));
   }
