@@ -42,7 +42,7 @@ struct Fingerprint {
   uint8_t dtype = 0;    // a DType code
   float divisor = 1;    // 1: sum; otherwise the average over this many ranks
   uint64_t count = 0;   // elements (per rank for reduce_scatter and all_gather)
-  uint64_t arg = 0;     // broadcast: the root's local rank; all_reduce_buffer: the byte offset
+  uint64_t arg = 0;     // broadcast: the root (local rank; group rank in agree()); all_reduce_buffer: byte offset
   bool operator==(const Fingerprint& other) const {
     return collective == other.collective && dtype == other.dtype && divisor == other.divisor &&
            count == other.count && arg == other.arg;
@@ -168,7 +168,7 @@ class Communicator {
   uint32_t generation_ = 0;  // barriers this rank has passed
   uint32_t calls_ = 0;       // collectives this rank has announced (see [Note: agreement check])
   Fingerprint call_;         // the running collective, announced at its first barrier
-  bool announced_ = true;
+  bool announced_ = true;    // call_ is in the header and was checked (false until its first barrier)
   int set_ = 0;              // staging set the next chunk uses (of kStagingSets)
 
   std::mutex mu_;
