@@ -43,6 +43,7 @@ from lightning_haiscale.pipeline.schedule import (
     has_header,
     header_of,
     lower,
+    post_ahead,
 )
 
 __all__ = ["PipelineCommunicationError", "StepResult", "run_actions"]
@@ -110,7 +111,7 @@ def run_actions(
     step = _Step(modules, inputs, config, actions, schedule)
     done = False
     try:
-        for index, item in enumerate(lower(list(actions), config.header_every_microbatch)):
+        for index, item in enumerate(_program(actions, config)):
             try:
                 step.run(item)
             except Exception:
@@ -120,6 +121,15 @@ def run_actions(
     finally:
         step.finish(wait=done)
     return step.result
+
+
+def _program(actions: Sequence[Action], config: StepConfig) -> list[Action | Batch]:
+    """What this rank issues: ``lower``'s program; on a backend that runs transfers concurrently (gloo),
+    with receives posted a compute ahead (``post_ahead``), since there an early receive blocks nothing."""
+    program = lower(list(actions), config.header_every_microbatch)
+    if p2p.runs_concurrently(config.group):
+        return post_ahead(program, config.header_every_microbatch)
+    return program
 
 
 def _name(item: Action | Batch) -> str:

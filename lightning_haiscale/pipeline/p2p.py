@@ -30,6 +30,7 @@ __all__ = [
     "encode_header",
     "exchange",
     "pack",
+    "runs_concurrently",
     "unpack",
 ]
 
@@ -154,6 +155,12 @@ class Op:
     is_send: bool
     tensor: torch.Tensor
     peer: int
+
+
+def runs_concurrently(group: dist.ProcessGroup | None) -> bool:
+    """Whether the group's backend runs transfers concurrently, each pair matched by order per link and
+    direction only (gloo), rather than one stream per rank in issue order (NCCL, and any other backend)."""
+    return dist.get_backend(group) == dist.Backend.GLOO
 
 
 def exchange(ops: Sequence[Op], group: dist.ProcessGroup | None) -> list[dist.Work | _StagedWork]:

@@ -54,6 +54,7 @@ __all__ = [
     "live_activation_peak",
     "lower",
     "one_f_one_b_order",
+    "post_ahead",
     "simulate",
     "validate",
 ]
@@ -368,6 +369,52 @@ def lower(actions: list[Action], header_every_microbatch: bool) -> list[Action |
             batch = []
         batch.append(Transfer(action))
     return [*program, tuple(batch)] if batch else program
+
+
+def post_ahead(program: list[Action | Batch], header_every_microbatch: bool) -> list[Action | Batch]:
+    """``lower``'s program with receives posted one compute earlier, for backends that run transfers
+    concurrently and pair them by order per link and direction only (gloo: no shared stream, so an early
+    receive blocks nothing). Each receive that needs no header moves into a batch of its own just before
+    the previous compute, so its transfer (a rendezvous on gloo) overlaps that compute. The order of the
+    receives is kept: a receive behind one that stays stays too. A gradient receive never moves above the
+    forward of its microbatch (its buffer's shapes come from that forward).
+    """
+    groups: list[list[Batch]] = [[]]
+    computes: list[Action] = []
+    for item in program:
+        if isinstance(item, Action):
+            computes.append(item)
+            groups.append([])
+        else:
+            groups[-1].append(item)
+    for k in range(1, len(computes)):
+        stayed = False  # receives from one rank pair in order: only a prefix of a group's receives moves
+        moved: list[Transfer] = []
+        kept_batches = []
+        for batch in groups[k]:
+            kept = []
+            for t in batch:
+                if not t.is_send and not stayed and _movable(t, computes[k - 1], header_every_microbatch):
+                    moved.append(t)
+                else:
+                    kept.append(t)
+                    stayed = stayed or not t.is_send
+            if kept:
+                kept_batches.append(tuple(kept))
+        groups[k] = kept_batches
+        if moved:
+            groups[k - 1].append(tuple(moved))
+    out: list[Action | Batch] = list(groups[0])
+    for compute, batches in zip(computes, groups[1:], strict=True):
+        out += [compute, *batches]
+    return out
+
+
+def _movable(t: Transfer, previous: Action, header_every_microbatch: bool) -> bool:
+    """Whether a receive may be posted before ``previous``: a header, or a payload sized by an earlier header."""
+    if t.action.type is ActionType.RECV_B:
+        return previous != Action(t.action.stage, F, t.action.microbatch)
+    return t.header or not has_header(t.action, header_every_microbatch)
 
 
 def simulate(schedule: dict[int, list[Action]], num_stages: int, header_every_microbatch: bool = False) -> int:

@@ -5,9 +5,11 @@ transfers on one stream in the order it issued them (a batch from ``batch_isend_
 group; it completes when every transfer in it has met its match). gloo matches by tag and runs transfers
 concurrently, so a pipeline can pass every gloo test and still fail at once on GPUs. Here each rank logs
 its ``isend``/``irecv``/``batch_isend_irecv`` calls (peer, direction, bytes, order of issue) and the waits
-on them, for training, uneven training and evaluation of every schedule, tuple boundaries and DP x PP;
-the parent replays the logs with FIFO-per-link, one-stream semantics. Sizes must match and nothing may
-deadlock. The replay is written here, independently of ``schedule.simulate``, which models the same rule.
+on them, for evaluation, training and uneven training of every schedule, tuple boundaries and DP x PP,
+issued as on NCCL (on gloo the executor posts receives a compute ahead: ``schedule.post_ahead``), and
+checks the evaluation's output against one process. The parent replays the logs with FIFO-per-link,
+one-stream semantics: sizes must match and nothing may deadlock. The replay is written here,
+independently of ``schedule.simulate``, which models the same rules.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
 from lightning_haiscale.ddp import DistributedDataParallel
-from lightning_haiscale.pipeline import PipeDream, make_subgroups, partition
+from lightning_haiscale.pipeline import PipeDream, make_subgroups, p2p, partition
 from tests.distributed import run_distributed
-from tests.pipeline.test_pipelines import SCHEDULES, batch, build, tuple_model
+from tests.pipeline.test_pipelines import SCHEDULES, batch, build, mlp, tuple_model
 
 Op = tuple[int, bool, int, int]  # (op id, is send, peer's global rank, bytes)
 Event = tuple[str, list[Any]]  # ("issue", [Op, ...]) for one batch, or ("wait", [op id, ...])
@@ -81,9 +83,11 @@ def logged_p2p() -> Generator[list[Event], None, None]:
     for name, fn in patches.items():  # batch_isend_irecv compares an op's function with c10d's isend
         setattr(c10d, name, fn)
         setattr(dist, name, fn)
+    concurrent, p2p.runs_concurrently = p2p.runs_concurrently, lambda group: False  # issue as on NCCL
     try:
         yield log
     finally:
+        p2p.runs_concurrently = concurrent
         for name, fn in originals.items():
             setattr(c10d, name, fn)
             setattr(dist, name, fn)
@@ -147,7 +151,7 @@ def test_replay_catches_a_mismatch_and_a_deadlock() -> None:
 
 
 def _cases(pipe: Any, dp_rank: int, dp_size: int) -> dict[str, Callable[[], Any]]:
-    """A training step, an uneven training step (3, 3, 1, 1 rows) and an uneven evaluation (2, 2, 2, 1)."""
+    """An uneven evaluation (2, 2, 2, 1 rows), a training step and an uneven training step (3, 3, 1, 1)."""
     x, y = batch(0, dp_rank, dp_size)
 
     def uneven() -> Any:
@@ -157,10 +161,17 @@ def _cases(pipe: Any, dp_rank: int, dp_size: int) -> dict[str, Callable[[], Any]
         return pipe.run_microbatches(inputs, lambda m, out: F.mse_loss(out, parts[m][1]), loss_scale=0.25, uneven=True)
 
     return {
+        "evaluation": lambda: pipe(x[:7]),
         "train": lambda: pipe.forward_backward(x[:8], criterion=F.mse_loss, labels=(y[:8],)),
         "uneven train": uneven,
-        "evaluation": lambda: pipe(x[:7]),
     }
+
+
+def _check_output(out: Any, pipe: Any, reference: torch.nn.Module, x: torch.Tensor) -> None:
+    if pipe.is_last_stage:
+        torch.testing.assert_close(out, reference(x).detach(), rtol=1e-5, atol=1e-6)
+    else:
+        assert out is None
 
 
 def _log_world(rank: int, world: int, layouts: tuple[int, ...]) -> dict[str, list[Event]]:
@@ -171,9 +182,11 @@ def _log_world(rank: int, world: int, layouts: tuple[int, ...]) -> dict[str, lis
         for schedule in SCHEDULES:
             pipe, _ = build(schedule, 4, pp_group, dp_group if dp_size > 1 else None)
             for phase, run in _cases(pipe, dp_rank, dp_size).items():
-                with logged_p2p() as log, torch.no_grad() if phase == "evaluation" else contextlib.nullcontext():
-                    run()
+                with logged_p2p() as log:
+                    out = run()
                 logs[f"pp {pp_size} x dp {dp_size} / {schedule} / {phase}"] = log
+                if phase == "evaluation":  # the first call: parameters are still those of one process's model
+                    _check_output(out, pipe, mlp(), batch(0, dp_rank, dp_size)[0][:7])
             for stage in pipe.stages:
                 if isinstance(stage, DistributedDataParallel):
                     stage.reducer.stop()
@@ -181,8 +194,10 @@ def _log_world(rank: int, world: int, layouts: tuple[int, ...]) -> dict[str, lis
         pipe = PipeDream(partition(tuple_model(), rank, world, balance=[2, 1]), chunks=4)
         for phase, run in _cases(pipe, 0, 1).items():
             with logged_p2p() as log:
-                run()
+                out = run()
             logs[f"tuple boundary / {phase}"] = log
+            if phase == "evaluation":
+                _check_output(out, pipe, tuple_model(), batch(0)[0][:7])
     return logs
 
 

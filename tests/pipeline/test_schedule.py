@@ -14,6 +14,7 @@ from lightning_haiscale.pipeline.schedule import (
     live_activation_peak,
     lower,
     one_f_one_b_order,
+    post_ahead,
     simulate,
     validate,
 )
@@ -165,3 +166,31 @@ def test_grid_has_a_column_per_rank() -> None:
     grid = format_grid(build_schedule(one_f_one_b_order, 2, 2))
     assert grid.splitlines()[0].split() == ["step", "rank", "0", "rank", "1"]
     assert "1B0" in grid.splitlines()[2]
+
+
+@pytest.mark.parametrize("header_every_microbatch", [False, True])
+def test_posting_ahead_keeps_each_links_receive_order(header_every_microbatch: bool) -> None:
+    """gloo's program (receives a compute earlier) pairs the same messages: from each peer rank the
+    receives come in the lowered order, each once; a gradient receive never precedes its forward."""
+    for order, model_chunks, ranks, chunks in SCHEDULE_CASES:
+        for rank, actions in build_schedule(order, ranks, chunks, model_chunks).items():
+            lowered = lower(actions, header_every_microbatch)
+            ahead = post_ahead(lowered, header_every_microbatch)
+            assert [i for i in ahead if isinstance(i, Action)] == [i for i in lowered if isinstance(i, Action)]
+
+            for peer in range(ranks):  # gloo pairs messages by order per rank pair and direction
+                same = _receives_from(ahead, peer, ranks) == _receives_from(lowered, peer, ranks)
+                assert same, (order.__name__, ranks, chunks, rank, peer)
+            done: set[Action] = set()
+            for item in ahead:
+                if isinstance(item, Action):
+                    done.add(item)
+                    continue
+                for t in item:
+                    if t.action.type is ActionType.RECV_B:
+                        assert Action(t.action.stage, ActionType.FORWARD, t.action.microbatch) in done
+
+
+def _receives_from(program: list, peer: int, ranks: int) -> list[Transfer]:
+    transfers = [t for item in program if not isinstance(item, Action) for t in item]
+    return [t for t in transfers if not t.is_send and t.peer_stage % ranks == peer]
