@@ -40,7 +40,13 @@ def test_streaming_rule_tracks_the_ratio_online():
     assert selector.offloaded == 1000
 
 
-@pytest.mark.parametrize("bad", [-0.1, 1.01, math.nan, "half", None])
+@pytest.mark.parametrize("bad", [-0.1, 1.01, math.nan])
 def test_bad_ratio_names_the_parameter(bad):
     with pytest.raises(ValueError, match="offload_ratio"):
+        check_ratio(bad)
+
+
+@pytest.mark.parametrize("bad", ["half", "0.5", True, None])
+def test_a_ratio_that_is_not_a_number_is_a_type_error(bad):
+    with pytest.raises(TypeError, match="offload_ratio"):
         check_ratio(bad)
