@@ -32,10 +32,12 @@ test: $(STAMP)
 # first run downloads torch 2.6.0's CUDA build (about 3 GB; PyPI has no CPU build of it for Linux x86-64).
 MIN_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python) python3.10)  # pyenv's, if any
 MIN_VENV ?= .venv-min
-MIN_PINS := "torch==2.6.0" "lightning==2.5.0" "typing_extensions==4.10.0"
+MIN_PINS := "torch==2.6.0" "lightning==2.6.0" "typing_extensions==4.10.0"
 MIN_TESTS := tests/hfreduce/test_kernels.py tests/hfreduce/test_native.py tests/ddp/test_buckets.py \
 	tests/pipeline/test_schedule.py tests/cpu_offload/test_selection.py \
-	tests/ddp/test_distributed.py::test_two_processes tests/strategies/test_hai_ddp.py::test_hai_ddp_on_two_processes
+	tests/ddp/test_distributed.py::test_two_processes tests/strategies/test_hai_ddp.py::test_hai_ddp_on_two_processes \
+	tests/strategies/test_hai_fsdp.py::test_hai_fsdp_strategy \
+	tests/strategies/test_pipeline_strategies.py::test_strategies_train_like_one_process
 
 test-min:
 	test -x $(MIN_VENV)/bin/python || $(MIN_PYTHON) -m venv $(MIN_VENV)
