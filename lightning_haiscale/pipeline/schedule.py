@@ -26,7 +26,9 @@ and the two ends of a link must issue its messages, in both directions, in one o
 - ``simulate`` runs the lowered schedule under the rules above and raises on a mismatch or a deadlock;
   ``build_schedule`` calls it, so a schedule that cannot run on NCCL fails when a pipeline is built.
 
-gloo is matched the same way (every message has tag 0), so gloo runs exercise the same order.
+On gloo, which runs transfers concurrently (no shared stream) and whose transfers are rendezvous,
+``post_ahead`` posts receives a compute earlier so they overlap it; each peer's messages keep their order,
+and gloo pairs them by that order too (every message has tag 0), so gloo runs check it.
 """
 
 from __future__ import annotations
