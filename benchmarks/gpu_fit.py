@@ -41,7 +41,7 @@ from lightning_haiscale.strategies import (
     PipeDreamStrategy,
 )
 from lightning_haiscale.testing import run_distributed
-from tests.strategies.test_pipeline_strategies import BATCH, Classifier, data, reference
+from lightning_haiscale.testing.parity import BATCH, Classifier, data, reference
 
 STEPS = 4
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")

@@ -21,8 +21,9 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import lightning_haiscale  # noqa: F401 - registers the strategies
 from lightning_haiscale.strategies import HaiFSDPStrategy, Interleaved1F1BStrategy, PipeDreamStrategy
+from lightning_haiscale.testing.parity import BATCH, Classifier, reference
 from tests.distributed import run_distributed
-from tests.strategies.test_pipeline_strategies import BATCH, Classifier, fit, reference
+from tests.strategies.test_pipeline_strategies import fit
 
 SCALE = 1024.0
 

@@ -10,7 +10,6 @@ round-trip between stage counts, and a resume must continue bit-for-bit.
 from __future__ import annotations
 
 import copy
-import itertools
 import os
 from typing import Any
 
@@ -20,77 +19,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader
 
 import lightning_haiscale  # noqa: F401 - registers the strategies
 from lightning_haiscale.callbacks import CPUOffloadCallback
 from lightning_haiscale.cpu_offload import offload_stats
 from lightning_haiscale.strategies import GPipeStrategy, Interleaved1F1BStrategy, PipeDreamStrategy
+from lightning_haiscale.testing.parity import BATCH, STEPS, Classifier, data, reference
 from tests.distributed import run_distributed
 
-BATCH, STEPS, LR = 8, 5, 0.1
 CLIP = 0.1  # below the gradient norm at most steps (0.08-0.53), so clipping acts
-
-
-class Classifier(L.LightningModule):
-    """The supported form, verbatim: the strategy must train it with no edit."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        widths = [6, 16, 16, 16, 16, 16, 16, 16]
-        self.net = nn.Sequential(
-            *(nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in itertools.pairwise(widths)), nn.Linear(16, 4)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        out = self(x)
-        loss = F.cross_entropy(out, y)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x), y))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
-
-
-def data(n: int = BATCH * STEPS * 2) -> TensorDataset:
-    g = torch.Generator().manual_seed(7)
-    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g))
-
-
-def reference(
-    steps: int,
-    batch: int,
-    accumulate: int = 1,
-    dp: int = 1,
-    clip: float | None = None,
-    rows: int = BATCH * STEPS * 2,
-) -> tuple[dict[str, torch.Tensor], float]:
-    """Plain PyTorch on the batches Lightning's sampler gives (shuffled, sharded by data-parallel rank): each
-    optimizer step's samples from every replica, their mean loss, gradients clipped to norm ``clip``."""
-    module = Classifier()
-    opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
-    x, y = data(rows).tensors
-    orders = [list(DistributedSampler(data(rows), num_replicas=dp, rank=r, shuffle=True, seed=0)) for r in range(dp)]
-    per_step = batch * accumulate
-    for step in range(steps):
-        rows = [i for order in orders for i in order[step * per_step : (step + 1) * per_step]]
-        opt.zero_grad()
-        loss = F.cross_entropy(module(x[rows]), y[rows])
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-        opt.step()
-    return {k: v.detach() for k, v in module.state_dict().items()}, float(loss.detach())
 
 
 def fit(
