@@ -72,7 +72,6 @@ class StepConfig:
 
     num_ranks: int
     num_stages: int
-    num_microbatches: int
     group: dist.ProcessGroup | None
     training: bool
     loss_fn: LossFn | None = None

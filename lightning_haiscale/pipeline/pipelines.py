@@ -225,7 +225,6 @@ class Pipeline(nn.Module):
         return StepConfig(
             num_ranks=self.num_ranks,
             num_stages=self.num_stages,
-            num_microbatches=n,
             group=self.process_group,
             training=training,
             loss_fn=loss_fn,
