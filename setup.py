@@ -15,7 +15,8 @@ SOURCES = [
 
 extra_compile_args = ["-O3", "-fvisibility=hidden", "-Wno-maybe-uninitialized"]  # GCC 12 misreports _mm512_undefined
 if platform.machine() in ("x86_64", "AMD64"):
-    # Baseline x86-64 code; the reduce kernels pick AVX2/AVX-512 at run time (target_clones).
+    # Baseline x86-64 code; the reduce kernels are compiled per instruction set (`#pragma GCC target`)
+    # and picked at run time with __builtin_cpu_supports.
     extra_compile_args += ["-mtune=generic"]
 
 setup(

@@ -28,8 +28,6 @@ class ShmSegment {
   ShmSegment& operator=(const ShmSegment&) = delete;
 
   void* data() const { return data_; }
-  size_t size() const { return bytes_; }
-  const std::string& name() const { return name_; }
   // Removes the name from /dev/shm; the mappings stay valid. Idempotent.
   void unlink();
 

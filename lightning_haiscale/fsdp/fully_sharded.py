@@ -311,7 +311,16 @@ class FullyShardedDataParallel(nn.Module):
         return full_state_dict(self, check_arrival=False)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Loads a full state dict (on every rank) or this world's sharded ones, per :meth:`state_dict_type`."""
+        """Loads a full state dict (on every rank) or this world's sharded ones, per :meth:`state_dict_type`.
+
+        The values are copied into this rank's shards; ``assign=True`` (replace the tensors) cannot apply to
+        a sharded model and raises.
+        """
+        if assign:
+            raise ValueError(
+                "FullyShardedDataParallel.load_state_dict(assign=True) is not supported: parameters live in "
+                "flat shards, so values are copied into them. Call it with assign=False."
+            )
         if self._state_dict_type is StateDictType.FULL:
             return load_full_state_dict(self, state_dict, strict=strict)
         return load_sharded_state_dict(self, [state_dict], strict=strict)

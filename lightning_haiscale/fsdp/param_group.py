@@ -53,7 +53,6 @@ class ParamInfo:
         fqns: names relative to the root module (several for a shared parameter).
         holders: ``(module, attribute)`` pairs that hold it.
         shape: its original shape.
-        offset: where it starts in the flat layout.
         piece_start: first element (of the flattened parameter) in this rank's piece.
         piece_end: one past the last element in this rank's piece.
         shard_offset: where the piece starts in ``flat_shard``.
@@ -62,7 +61,6 @@ class ParamInfo:
     fqns: tuple[str, ...]
     holders: tuple[tuple[nn.Module, str], ...]
     shape: torch.Size
-    offset: int
     piece_start: int
     piece_end: int
     shard_offset: int
@@ -141,7 +139,6 @@ class FSDPParamGroup:
                     fqns=tuple(ref.fqns),
                     holders=tuple(ref.holders),
                     shape=ref.param.shape,
-                    offset=offset,
                     piece_start=start - offset,
                     piece_end=end - offset,
                     shard_offset=start - lo,

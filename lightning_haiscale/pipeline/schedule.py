@@ -545,11 +545,9 @@ def live_activation_peak(actions: list[Action]) -> int:
     return peak
 
 
-def format_grid(schedule: dict[int, list[Action]], compute_only: bool = True) -> str:
-    """One column per rank, one row per step: the table logged when a step fails."""
-    columns = {
-        rank: [str(a) for a in actions if a.type.is_compute or not compute_only] for rank, actions in schedule.items()
-    }
+def format_grid(schedule: dict[int, list[Action]]) -> str:
+    """One column per rank, one row per compute step: the table logged when a step fails."""
+    columns = {rank: [str(a) for a in actions if a.type.is_compute] for rank, actions in schedule.items()}
     width = max([len(c) for col in columns.values() for c in col] + [6]) + 2
     header = "step".ljust(6) + "".join(f"rank {r}".ljust(width) for r in columns)
     rows = [header]
