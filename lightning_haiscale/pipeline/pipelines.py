@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -22,7 +22,16 @@ from lightning_haiscale.pipeline.schedule import (
     one_f_one_b_order,
 )
 
-__all__ = ["GPipe", "Interleaved1F1B", "PipeDream", "Pipeline", "split_microbatches"]
+__all__ = [
+    "GPipe",
+    "Interleaved1F1B",
+    "PipeDream",
+    "Pipeline",
+    "batch_rows",
+    "microbatch_sizes",
+    "split_batch",
+    "split_microbatches",
+]
 
 _CHECKPOINT_POLICIES = ("never", "always", "except_last")
 
@@ -31,21 +40,49 @@ def split_microbatches(args: Sequence[Any], chunks: int, even: bool = True) -> l
     """Splits every tensor of ``args`` along dim 0 into ``chunks`` microbatches; other values are repeated.
 
     ``even=True`` (training) requires ``chunks`` to divide the batch, so each microbatch's mean loss weighs
-    the same; ``even=False`` (evaluation) allows sizes that differ by one.
+    the same; ``even=False`` (evaluation) allows sizes that differ by one. Tensors inside tuples, lists and
+    dicts are split too (see ``split_batch``, the one splitter both this and the Lightning strategies use).
     """
     if chunks < 1:
         raise ValueError(f"chunks={chunks} must be at least 1")
-    parts: list[Sequence[Any]] = []
-    for arg in args:
-        if not torch.is_tensor(arg):
-            parts.append([arg] * chunks)
-            continue
-        if arg.dim() == 0:
-            raise ValueError("a pipeline input is a 0-d tensor; inputs are split along dim 0 into microbatches")
-        if even and arg.size(0) % chunks:
-            raise ValueError(f"chunks={chunks} does not divide batch size {arg.size(0)}")
-        parts.append(torch.tensor_split(arg, chunks))
-    return [tuple(p[m] for p in parts) for m in range(chunks)]
+    if any(torch.is_tensor(arg) and arg.dim() == 0 for arg in args):
+        raise ValueError("a pipeline input is a 0-d tensor; inputs are split along dim 0 into microbatches")
+    return [tuple(part) for part in split_batch(tuple(args), chunks, even)]
+
+
+def split_batch(batch: Any, chunks: int, even: bool = True) -> list[Any]:
+    """Splits every tensor of at least one dimension in a (nested tuple/list/dict) batch along dim 0 into
+    ``chunks`` microbatches (``torch.tensor_split``: sizes differ by at most one, the larger first); 0-d
+    tensors and other values are repeated. ``even=True`` requires ``chunks`` to divide every batch size."""
+    if torch.is_tensor(batch):
+        if batch.dim() == 0:
+            return [batch] * chunks
+        if even and batch.size(0) % chunks:
+            raise ValueError(f"chunks={chunks} does not divide batch size {batch.size(0)}")
+        return list(torch.tensor_split(batch, chunks))
+    if isinstance(batch, Mapping):
+        parts = {k: split_batch(v, chunks, even) for k, v in batch.items()}
+        return [type(batch)({k: p[m] for k, p in parts.items()}) for m in range(chunks)]  # type: ignore[call-arg]
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        columns = [split_batch(v, chunks, even) for v in batch]
+        rows = [[c[m] for c in columns] for m in range(chunks)]
+        return [type(batch)(*r) if hasattr(batch, "_fields") else type(batch)(r) for r in rows]
+    return [batch] * chunks
+
+
+def batch_rows(batch: Any) -> int | None:
+    """Dim 0 of the first tensor of at least one dimension in a (nested tuple/list/dict) batch; None: none."""
+    if torch.is_tensor(batch):
+        return batch.size(0) if batch.dim() else None
+    if isinstance(batch, (Mapping, Sequence)) and not isinstance(batch, str):
+        items = batch.values() if isinstance(batch, Mapping) else batch
+        return next((n for n in map(batch_rows, items) if n is not None), None)
+    return None
+
+
+def microbatch_sizes(rows: int, chunks: int) -> list[int]:
+    """The rows of each microbatch ``split_batch`` makes of ``rows`` rows (``torch.tensor_split``'s sizes)."""
+    return [rows // chunks + (1 if m < rows % chunks else 0) for m in range(chunks)]
 
 
 class Pipeline(nn.Module):

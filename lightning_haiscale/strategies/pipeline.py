@@ -1,18 +1,13 @@
 """``GPipeStrategy`` ("hai_gpipe"), ``PipeDreamStrategy`` ("hai_pipedream"), ``Interleaved1F1BStrategy``
 ("hai_interleaved_1f1b"): Lightning adapters over ``lightning_haiscale.pipeline``.
 
-[Note: pipelines inside automatic optimization] Lightning's closure runs ``training_step``, then
-``zero_grad``, then ``backward``. The whole schedule (every microbatch's forward and backward) runs in
-``training_step``, so the strategy owns ``zero_grad``: it calls the module's ``optimizer_zero_grad`` at the
-start of each accumulation window, before the schedule, and turns the call Lightning makes later into a
-no-op; ``backward`` only runs the ``on_before_backward`` / ``on_after_backward`` hooks. Each microbatch's
-loss is scaled by ``1 / (chunks * accumulate_grad_batches)``, so accumulated gradients are those of the mean.
-A batch that does not split evenly (an epoch's smaller last batch) splits into sizes that differ by one, and
-each microbatch's loss is weighted by its share of the rows, so the gradient is still the batch mean's.
+The strategy holds the DP x PP topology and the stage surgery (the module's ``nn.Sequential`` is replaced by a
+``StageProxy`` of this rank's layers); the step protocol lives in ``strategies.pipeline_step`` (see its
+notes on capture and replay and on automatic optimization) and the checkpoint format in
+``strategies.pipeline_checkpoint``.
 
 [Note: supported step forms] The network is the LightningModule's one ``nn.Sequential`` attribute (or
-``module_name=``); it is replaced by a ``StageProxy`` holding this rank's layers. Steps run unmodified
-through capture and replay (see ``lightning_haiscale.pipeline.capture``): the step must call the network
+``module_name=``). Steps run unmodified through capture and replay: the step must call the network
 exactly once (``out = self(x)`` with ``forward`` calling it, or ``self.net(x)``), batch rows must be
 independent, ``training_step`` must return the loss tensor (or a dict with ``"loss"``) under automatic
 optimization, and values given to ``self.log`` are averaged over microbatches. Anything else raises with
@@ -28,6 +23,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -43,11 +39,10 @@ from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups, partition
-from lightning_haiscale.pipeline.capture import InputsCaptured, StageProxy, batch_rows, split_batch
-from lightning_haiscale.pipeline.pipelines import split_microbatches
+from lightning_haiscale.strategies import pipeline_checkpoint as stage_files
 from lightning_haiscale.strategies.arguments import check_choice, check_int
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy
-from lightning_haiscale.strategies.step_logs import LogRecorder, ignore_log, patched
+from lightning_haiscale.strategies.pipeline_step import PipelinedStep, StageProxy, capture_inputs
 
 __all__ = ["GPipeStrategy", "Interleaved1F1BStrategy", "PipeDreamStrategy"]
 
@@ -95,6 +90,7 @@ class _PipelineStrategy(HaiParallelStrategy):
         self._pp_group: dist.ProcessGroup | None = None
         self._stages: list[nn.Module] = []
         self._pipeline: Pipeline | None = None
+        self._step: PipelinedStep | None = None
         self._saved_layers: list[str] | None = None
 
     def _check_arguments(
@@ -176,8 +172,10 @@ class _PipelineStrategy(HaiParallelStrategy):
         self.model_to_device()
         self._pipeline = self._build_pipeline(self._wrap_stages(fitting))
         self._pipeline.forward_context = _offload_context(trainer)
+        module, group, device = self.lightning_module, self._pp_group, self.root_device
+        self._step = PipelinedStep(module, self.module_name, self._pipeline, group, device)
         if fitting:
-            self._take_over_zero_grad()
+            self._step.take_over_zero_grad()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
@@ -234,12 +232,11 @@ class _PipelineStrategy(HaiParallelStrategy):
         proxy = StageProxy(OrderedDict(network._modules.items()))
         setattr(module, name, proxy)
         try:
-            with proxy.capturing(), patched(module, "log", ignore_log):
-                module.training_step(batch, 0)
-        except InputsCaptured as captured:
-            return captured.inputs
+            inputs = capture_inputs(module, proxy, module.training_step, (batch, 0), {})
         finally:
             setattr(module, name, network)
+        if inputs is not None:
+            return inputs
         raise RuntimeError(f"training_step never called the network {name!r}, so balance='time' has nothing to time")
 
     def _wrap_stages(self, fitting: bool) -> list[nn.Module]:
@@ -249,13 +246,6 @@ class _PipelineStrategy(HaiParallelStrategy):
 
     def _build_pipeline(self, stages: list[nn.Module]) -> Pipeline:
         raise NotImplementedError
-
-    def _take_over_zero_grad(self) -> None:
-        """See [Note: pipelines inside automatic optimization]."""
-        module = self.lightning_module
-        if "optimizer_zero_grad" not in module.__dict__:
-            self._module_zero_grad = module.optimizer_zero_grad
-            module.optimizer_zero_grad = _skip_zero_grad  # type: ignore[method-assign]
 
     @override
     def model_to_device(self) -> None:
@@ -269,113 +259,30 @@ class _PipelineStrategy(HaiParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        module, trainer = self.lightning_module, self.lightning_module.trainer
-        accumulate = trainer.accumulate_grad_batches
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        if batch_idx % accumulate == 0:
-            for optimizer in self.optimizers:
-                self._module_zero_grad(trainer.current_epoch, batch_idx, optimizer)
-        batches, weights = self._split_training_batch(args[0])
-        recorder = LogRecorder(weights)
-
-        def loss_fn(m: int, output: Any) -> torch.Tensor:
-            with self._proxy.replaying(output), recorder.recording(module, m):
-                loss = _loss_of(module.training_step(batches[m], *args[1:], **kwargs))
-            return loss if weights is None else loss * weights[m]
-
+        """Every microbatch's forward and backward (see ``pipeline_step``); the last stage's mean loss."""
+        scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: see _agree_on_inf
         with self.precision_plugin.train_step_context():
-            inputs = self._capture(module.training_step, args, kwargs)
-            microbatches = None if inputs is None else self._split_inputs(inputs, batches, weights is not None)
-            scale, uneven = 1.0 / (self.chunks * accumulate), weights is not None
-            scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: see _agree_on_inf
-            result = self._pipeline.run_microbatches(
-                microbatches, loss_fn, loss_scale=scale, uneven=uneven, grad_scaler=scaler
-            )
-        loss = torch.stack([result.losses[m] for m in range(self.chunks)]).mean() if result.losses else None
-        return self._publish(recorder, loss)
-
-    def _split_training_batch(self, batch: Any) -> tuple[list[Any], list[float] | None]:
-        """The microbatches, and the loss weight of each when the batch does not split evenly (an epoch's
-        smaller last batch): its share of the rows times ``chunks``, so that the weighted microbatch losses
-        average to the batch's mean loss. On every rank (all see the same batch), so all agree."""
-        rows = batch_rows(batch)
-        if rows is not None and rows < self.chunks:
-            raise ValueError(
-                f"a training batch of {rows} rows cannot make chunks={self.chunks} microbatches: use fewer chunks, "
-                "or DataLoader(..., drop_last=True) if it is the last batch of the epoch"
-            )
-        parts = split_batch(batch, self.chunks, even=False)
-        if rows is None or rows % self.chunks == 0:
-            return parts, None
-        return parts, [batch_rows(part) * self.chunks / rows for part in parts]
-
-    def _split_inputs(self, inputs: tuple[Any, ...], batches: list[Any], uneven: bool) -> list[tuple[Any, ...]]:
-        """The network's inputs per microbatch; for an uneven batch, row for row with the batch's microbatches."""
-        parts = split_microbatches(inputs, self.chunks, even=not uneven)
-        if uneven and [batch_rows(p) for p in parts] != [batch_rows(b) for b in batches]:
-            raise ValueError(
-                "the network's inputs do not have the batch's rows, so an uneven batch cannot be split row for row; "
-                "use a batch size divisible by chunks and DataLoader(..., drop_last=True)"
-            )
-        return parts
+            return self._step.train(args, kwargs, self.optimizers, scaler)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._evaluation_step(self.lightning_module.validation_step, args, kwargs)
+            return self._step.evaluate(self.lightning_module.validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._evaluation_step(self.lightning_module.test_step, args, kwargs)
+            return self._step.evaluate(self.lightning_module.test_step, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The last stage's predictions; ``None`` on the other stages."""
         with self.precision_plugin.predict_step_context():
-            return self._evaluation_step(self.lightning_module.predict_step, args, kwargs, publish=False)
-
-    def _evaluation_step(self, step: Callable[..., Any], args: tuple, kwargs: dict, publish: bool = True) -> Any:
-        inputs = self._capture(step, args, kwargs)
-        output = self._pipeline(*inputs) if inputs is not None else self._pipeline()
-        recorder, result = LogRecorder(), None
-        if self._pipeline.is_last_stage:
-            with self._proxy.replaying(output), recorder.recording(self.lightning_module, 0):
-                result = step(*args, **kwargs)
-        if publish:
-            self._publish(recorder, None)
-        return result
+            return self._step.evaluate(self.lightning_module.predict_step, args, kwargs, publish=False)
 
     @property
     def _proxy(self) -> StageProxy:
         return getattr(self.lightning_module, self.module_name)
-
-    def _capture(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, ...] | None:
-        """The network's inputs on the first stage (the step runs up to the network call); ``None`` elsewhere."""
-        if not self._pipeline.is_first_stage:
-            return None
-        with self._proxy.capturing(), patched(self.lightning_module, "log", ignore_log):
-            try:
-                step(*args, **kwargs)
-            except InputsCaptured as captured:
-                return captured.inputs
-        raise RuntimeError(
-            f"{step.__name__} never called the network {self.module_name!r}; pipeline strategies need the step to "
-            f"call it once (out = self(x) with forward calling self.{self.module_name})"
-        )
-
-    def _publish(self, recorder: LogRecorder, loss: torch.Tensor | None) -> torch.Tensor:
-        """Broadcasts the last stage's loss and logs over the pipeline and logs them on every stage."""
-        payload = [{"loss": None if loss is None else float(loss), "logs": recorder.summary()}]
-        if self.stages_per_pipeline > 1:
-            last = (self._pipeline.num_stages - 1) % self._pipeline.num_ranks
-            dist.broadcast_object_list(payload, group=self._pp_group, group_src=last)
-        module = self.lightning_module
-        for name, kind, value, log_kwargs in payload[0]["logs"]:
-            shown = module.get_submodule(value) if kind == "metric" else torch.tensor(value, device=self.root_device)
-            module.log(name, shown, **log_kwargs)
-        value = payload[0]["loss"]
-        return torch.tensor(value if value is not None else float("nan"), device=self.root_device)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -408,38 +315,29 @@ class _PipelineStrategy(HaiParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
-        """Rank 0 writes the full checkpoint (weights of every stage; optimizer states stay per stage); the
-        first pipeline's stages write ``<file>.stage<k>`` with their part and their optimizer states."""
+        """See [Note: stage files] in ``pipeline_checkpoint``."""
         if self.dp_rank == 0:
-            stage_file = _stage_path(filepath, self.pp_rank)  # checkpoint_io creates the folder on every rank
-            self.checkpoint_io.save_checkpoint(self._stage_state(checkpoint), stage_file, storage_options)
+            stage_file = stage_files.stage_path(filepath, self.pp_rank)  # checkpoint_io creates the folder
+            stage = stage_files.stage_checkpoint(self._proxy.state_dict(), self.module_name, checkpoint)
+            self.checkpoint_io.save_checkpoint(stage, stage_file, storage_options)
         if self.is_global_zero:
-            full = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
-            full["pipeline"] = {"stages": self.stages_per_pipeline, "num_model_chunks": self.num_model_chunks}
+            full = stage_files.full_checkpoint(checkpoint, self.stages_per_pipeline, self.num_model_chunks)
             self.checkpoint_io.save_checkpoint(full, filepath, storage_options=storage_options)
-
-    def _stage_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-        return {
-            "layers": sorted(self._proxy.state_dict()),
-            "state_dict": {f"{self.module_name}.{k}": v for k, v in self._proxy.state_dict().items()},
-            "optimizer_states": checkpoint.get("optimizer_states", []),
-        }
 
     @override
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
-        if self.dp_rank == 0 and os.path.exists(_stage_path(filepath, self.pp_rank)):
-            os.remove(_stage_path(filepath, self.pp_rank))
+        stage_file = stage_files.stage_path(filepath, self.pp_rank)
+        if self.dp_rank == 0 and os.path.exists(stage_file):
+            os.remove(stage_file)
         super().remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """The full checkpoint, with this stage's optimizer states when its stage file matches this layout."""
         checkpoint = dict(self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only))
-        stage_file = _stage_path(checkpoint_path, self.pp_rank)
-        exists = os.path.exists(stage_file)
-        stage = self.checkpoint_io.load_checkpoint(stage_file, weights_only=weights_only) if exists else None
-        self._saved_layers = stage["layers"] if stage is not None else None
-        checkpoint["optimizer_states"] = stage["optimizer_states"] if stage is not None else []
+        self._saved_layers, checkpoint["optimizer_states"] = stage_files.load_stage_file(
+            self.checkpoint_io, checkpoint_path, self.pp_rank, weights_only
+        )
         return checkpoint
 
     @override
@@ -454,19 +352,16 @@ class _PipelineStrategy(HaiParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Loads this stage's slice of a full state dict (from any number of stages, or none)."""
         module = self.lightning_module
-        wanted = module.state_dict().keys()
-        missing = [k for k in wanted if k not in checkpoint["state_dict"]]
-        if strict and missing:
-            raise KeyError(f"the checkpoint lacks {len(missing)} keys of this stage, e.g. {missing[:3]}")
-        module.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k in wanted}, strict=strict)
+        state = stage_files.stage_slice(checkpoint["state_dict"], module.state_dict().keys(), strict)
+        module.load_state_dict(state, strict=strict)
 
     @override
     def teardown(self) -> None:
         for stage in self._pipeline.stages if self._pipeline is not None else []:
             if isinstance(stage, DistributedDataParallel):
                 stage.reducer.stop()
-        if self.lightning_module is not None:
-            self.lightning_module.__dict__.pop("optimizer_zero_grad", None)
+        if self._step is not None:
+            self._step.close()
         super().teardown()
 
     @classmethod
@@ -520,16 +415,6 @@ def _check_balance(balance: Any, parts: int | None) -> None:
         raise ValueError(f"balance={list(balance)} must have pp_size x num_model_chunks = {parts} layer counts")
 
 
-def _loss_of(result: Any) -> torch.Tensor:
-    loss = result.get("loss") if isinstance(result, Mapping) else result
-    if not torch.is_tensor(loss):
-        raise TypeError(
-            "pipeline strategies need training_step to return the loss tensor or a dict with 'loss'; got "
-            f"{type(result).__name__}"
-        )
-    return loss
-
-
 def _find_network(module: nn.Module) -> str:
     names = [n for n, child in module.named_children() if isinstance(child, nn.Sequential)]
     if len(names) != 1:
@@ -540,19 +425,11 @@ def _find_network(module: nn.Module) -> str:
     return names[0]
 
 
-def _offload_context(trainer: pl.Trainer) -> Callable[[], contextlib.AbstractContextManager] | None:
+def _offload_context(trainer: pl.Trainer) -> Callable[[], AbstractContextManager] | None:
     from lightning_haiscale.callbacks import CPUOffloadCallback
 
     callbacks = [c for c in trainer.callbacks if isinstance(c, CPUOffloadCallback)]
     return callbacks[0].offload_context if callbacks else None
-
-
-def _stage_path(filepath: str | os.PathLike, stage: int) -> str:
-    return f"{os.fspath(filepath)}.stage{stage}"
-
-
-def _skip_zero_grad(*args: Any, **kwargs: Any) -> None:
-    """Lightning's own zero_grad comes after the schedule ran; the strategy zeroes before it instead."""
 
 
 GPipeStrategy._register("pipeline parallel, GPipe schedule (lightning_haiscale.pipeline)")
