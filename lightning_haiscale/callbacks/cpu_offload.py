@@ -8,10 +8,11 @@ exactly the forward (``training_step`` and the loss), under automatic and manual
 ``on_exception`` leave it too, for steps that skip backward or fail, so no hook outlives the step.
 Under manual optimization only the forward before the first ``manual_backward`` of a step is covered.
 
-Pipeline strategies run backward before ``on_before_backward``. A strategy that sets
-``brackets_activation_offload = True`` is left alone here: it finds this callback in
-``trainer.callbacks`` and wraps each microbatch's forward in ``callback.offload_context()``, a fresh
-``CPUOffload`` with the same ratio, tag and options.
+Pipeline strategies run backward before ``on_before_backward``, inside ``training_step``. They expose
+a ``forward_context`` hook instead (entered around every training microbatch's forward): in ``setup``
+this callback sets it to ``offload_context`` (a fresh ``CPUOffload`` with the same ratio, tag and
+options per microbatch) and then leaves each step alone; ``teardown`` puts the strategy's own back.
+Only the callback knows the strategy: the strategy never looks for callbacks.
 """
 
 from __future__ import annotations
@@ -59,16 +60,26 @@ class CPUOffloadCallback(Callback):
         self._region: CPUOffload | None = None
         self._totals_at_start = (0, 0)
         self._told_idle = False
+        self._strategy_context: Any = None  # the strategy's forward_context before setup; None: it has none
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Says once, on rank 0, when the run will offload nothing: activations on the CPU are left alone."""
+        """Fills in a pipeline strategy's ``forward_context``; says once, on rank 0, when the run will offload
+        nothing (activations on the CPU are left alone)."""
+        if hasattr(trainer.strategy, "forward_context"):
+            self._strategy_context = trainer.strategy.forward_context
+            trainer.strategy.forward_context = self.offload_context
         if trainer.strategy.root_device.type != "cuda" and not self._options.get("force_copy", False):
             rank_zero_warn(
                 f"CPUOffloadCallback({self.offload_ratio}) will offload nothing: the run's activations are on "
                 f"{trainer.strategy.root_device.type}, not a CUDA device. Train on a GPU, or pass force_copy=True to "
                 "exercise the mechanism on the CPU (for testing: it copies and gains nothing)"
             )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._strategy_context is not None:
+            trainer.strategy.forward_context, self._strategy_context = self._strategy_context, None
 
     def offload_context(self) -> CPUOffload:
         """A fresh context manager for one forward region (same ratio, tag and options)."""
@@ -79,7 +90,7 @@ class CPUOffloadCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._totals_at_start = self._totals()
-        if not getattr(trainer.strategy, "brackets_activation_offload", False):
+        if self._strategy_context is None:  # no pipeline strategy brackets the microbatches' forwards
             self._region = self.offload_context().__enter__()
 
     @override

@@ -14,6 +14,11 @@ optimization, and values given to ``self.log`` are averaged over microbatches. A
 the reason. The loss and logs of the last stage are broadcast to its pipeline and logged on every rank, so
 rank 0's progress bar and loggers see them, and ``sync_dist`` over the world averages the data-parallel
 replicas; torchmetrics objects are logged by attribute on every rank (they sync themselves).
+
+[Note: forward context] ``forward_context`` (default: a null context) is entered around every training
+microbatch's forward. ``CPUOffloadCallback`` sets it in its ``setup`` hook, since the callback's own
+hooks cannot bracket forwards whose backwards run inside ``training_step``; the strategy never looks for
+callbacks.
 """
 
 from __future__ import annotations
@@ -68,7 +73,6 @@ class _PipelineStrategy(HaiParallelStrategy):
 
     strategy_name: ClassVar[str]
     interleaved: ClassVar[bool] = False  # several model chunks per rank
-    brackets_activation_offload = True  # it wraps each microbatch's forward in CPUOffloadCallback's context
 
     def __init__(
         self,
@@ -92,6 +96,7 @@ class _PipelineStrategy(HaiParallelStrategy):
         self._pipeline: Pipeline | None = None
         self._step: PipelinedStep | None = None
         self._saved_layers: list[str] | None = None
+        self._forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
     def _check_arguments(
         self,
@@ -148,6 +153,20 @@ class _PipelineStrategy(HaiParallelStrategy):
         """The plain-layer pipeline this rank runs (after ``setup``)."""
         return self._pipeline
 
+    @property
+    def forward_context(self) -> Callable[[], AbstractContextManager]:
+        """A callable returning a context manager, entered around every training microbatch's forward
+        (default: a null context); ``CPUOffloadCallback`` sets it. See [Note: forward context]."""
+        return self._forward_context
+
+    @forward_context.setter
+    def forward_context(self, context: Callable[[], AbstractContextManager]) -> None:
+        if not callable(context):
+            raise TypeError(f"forward_context={context!r} must be a callable returning a context manager")
+        self._forward_context = context
+        if self._pipeline is not None:
+            self._pipeline.forward_context = context
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -171,7 +190,7 @@ class _PipelineStrategy(HaiParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._pipeline = self._build_pipeline(self._wrap_stages(fitting))
-        self._pipeline.forward_context = _offload_context(trainer)
+        self._pipeline.forward_context = self.forward_context
         module, group, device = self.lightning_module, self._pp_group, self.root_device
         self._step = PipelinedStep(module, self.module_name, self._pipeline, group, device)
         if fitting:
@@ -423,13 +442,6 @@ def _find_network(module: nn.Module) -> str:
             "exactly one, or module_name= naming the network"
         )
     return names[0]
-
-
-def _offload_context(trainer: pl.Trainer) -> Callable[[], AbstractContextManager] | None:
-    from lightning_haiscale.callbacks import CPUOffloadCallback
-
-    callbacks = [c for c in trainer.callbacks if isinstance(c, CPUOffloadCallback)]
-    return callbacks[0].offload_context if callbacks else None
 
 
 GPipeStrategy._register("pipeline parallel, GPipe schedule (lightning_haiscale.pipeline)")

@@ -6,7 +6,11 @@ parameters must be bitwise equal.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import warnings
+from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -15,9 +19,11 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_haiscale
 from examples.gpt.model import GPT, config, lm_loss
 from lightning_haiscale import CPUOffloadCallback
 from lightning_haiscale.cpu_offload import CPUOffload, offload_stats
+from lightning_haiscale.strategies import PipeDreamStrategy
 from tests.distributed import run_distributed
 
 OPTIONS = {"min_bytes": 0, "force_copy": True}
@@ -140,21 +146,43 @@ def test_exception_leaves_no_hook():
 
 
 class BracketingStrategy(SingleDeviceStrategy):
-    """Stands in for a pipeline strategy: it brackets microbatch forwards itself."""
+    """Stands in for a pipeline strategy: it exposes ``forward_context`` and records it at each training step."""
 
-    brackets_activation_offload = True
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.forward_context = contextlib.nullcontext
+        self.seen: list[Any] = []
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.seen.append(self.forward_context)
+        return super().training_step(*args, **kwargs)
 
 
-def test_strategy_that_brackets_itself_is_left_alone():
+def test_strategy_with_a_forward_context_gets_it_filled_in():
+    """The callback sets a pipeline strategy's forward_context for the fit, restores it after, and leaves the
+    strategy's steps alone (it brackets each microbatch's forward itself)."""
     callback = CPUOffloadCallback(0.5, **OPTIONS)
-    module = GPTModule()
-    _fit(module, [callback], strategy=BracketingStrategy(torch.device("cpu")), max_steps=1)
+    module, strategy = GPTModule(), BracketingStrategy(torch.device("cpu"))
+    _fit(module, [callback], strategy=strategy, max_steps=1)
     assert module.hooks_in_forward == [False]
+    assert strategy.seen == [callback.offload_context] and strategy.forward_context is contextlib.nullcontext
     context = callback.offload_context()
     assert isinstance(context, CPUOffload) and context is not callback.offload_context()
     with context:
         assert _hooks_active()
     assert context.tag == callback.tag and context.offload_ratio == 0.5
+
+
+def test_pipeline_strategies_never_import_the_callback():
+    """Was: strategies/pipeline.py imported CPUOffloadCallback to look for it in trainer.callbacks."""
+    root = Path(lightning_haiscale.__file__).parent / "strategies"
+    for path in root.glob("pipeline*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("lightning_haiscale.callbacks"), path.name
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("lightning_haiscale.callbacks") for a in node.names), path.name
+    assert PipeDreamStrategy().forward_context is contextlib.nullcontext  # without a callback: a null context
 
 
 def _ddp_worker(rank: int, world_size: int, strategy: str) -> bool:
