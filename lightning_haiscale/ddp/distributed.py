@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -41,8 +41,8 @@ class DistributedDataParallel(nn.Module):
         communicator: an existing engine to use (its group and ``timeout``); default a new one over
             ``process_group`` with the engine's default deadline.
 
-    ``reducer.stop()`` stops the engine when training is over (it also stops when the wrapper is
-    garbage-collected). ``state_dict()`` and ``load_state_dict()`` are torch DDP's: keys carry the
+    :meth:`close` (or haiscale's ``reducer.stop()``) stops the engine when training is over (it also stops when
+    the wrapper is garbage-collected). ``state_dict()`` and ``load_state_dict()`` are torch DDP's: keys carry the
     ``module.`` prefix, so a checkpoint saved from either wrapper loads into the other, and
     ``consume_prefix_in_state_dict_if_present(state, "module.")`` or ``ddp.module.state_dict()`` gives the
     bare module's (what haiscale's scripts save: ``model.module.module.state_dict()`` for a pipeline stage).
@@ -97,11 +97,17 @@ class DistributedDataParallel(nn.Module):
             args, kwargs = _to_device((args, kwargs), self._input_device)
         return self.module(*args, **kwargs)
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside this block accumulate gradients locally; the first backward after it averages."""
-        with self.reducer.no_sync():
-            yield
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Backwards inside this block accumulate gradients locally; the first backward after it averages
+        (the reducer's ``no_sync``)."""
+        return self.reducer.no_sync()
+
+    def close(self) -> None:
+        """Stops the communication engine and removes the gradient hooks, when training is over. Idempotent.
+
+        Backwards after it no longer average gradients. ``reducer.stop()`` (haiscale's spelling) does the same.
+        """
+        self.reducer.stop()
 
 
 def _check_arguments(module: nn.Module, device_ids: list[Any] | None, bucket_cap_mb: float) -> None:

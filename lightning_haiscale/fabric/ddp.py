@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -10,14 +9,15 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
+from lightning_haiscale.fabric.shared import NoSyncControl
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout
 from lightning_haiscale.strategies.ddp import hai_ddp_options, wrap_hai_ddp
+from lightning_haiscale.strategies.parallel import register_once
 
 __all__ = ["HaiDDPStrategy"]
 
@@ -56,7 +56,7 @@ class HaiDDPStrategy(DDPStrategy):
             start_method=check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver")),
         )
         self._hai_kwargs = options
-        self._backward_sync_control = _HaiBackwardSyncControl()
+        self._backward_sync_control = NoSyncControl(DistributedDataParallel, "hai_ddp")
         self._wrapped: list[DistributedDataParallel] = []
 
     @override
@@ -75,8 +75,9 @@ class HaiDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        """Closes every wrapper set up (stops its engine), then Fabric's teardown."""
         for wrapped in self._wrapped:
-            wrapped.reducer.stop()
+            wrapped.close()
         self._wrapped.clear()
         super().teardown()
 
@@ -99,15 +100,4 @@ def _unwrap(module: Module) -> Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-class _HaiBackwardSyncControl(_BackwardSyncControl):
-    @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        if not enabled:
-            return nullcontext()
-        if not isinstance(module, DistributedDataParallel):
-            raise TypeError(f"no_backward_sync needs the module set up by hai_ddp, got {type(module).__name__}")
-        return module.no_sync()
-
-
-if "hai_ddp" not in STRATEGY_REGISTRY:
-    HaiDDPStrategy.register_strategies(STRATEGY_REGISTRY)
+register_once(HaiDDPStrategy, STRATEGY_REGISTRY)

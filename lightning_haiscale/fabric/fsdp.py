@@ -20,12 +20,12 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_haiscale.fabric.shared import NoSyncControl, Sharded
 from lightning_haiscale.fsdp import (
     BackwardPrefetch,
     FullyShardedDataParallel,
@@ -42,7 +42,7 @@ from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout
 from lightning_haiscale.strategies.fsdp import hai_fsdp_options, wrap_hai_fsdp
-from lightning_haiscale.strategies.parallel import agree_on_inf
+from lightning_haiscale.strategies.parallel import agree_on_inf, register_once
 
 __all__ = ["HaiFSDPStrategy"]
 
@@ -50,7 +50,7 @@ _META_FILE = "meta.pt"
 _NAMES = "hai_fsdp_names"  # in meta.pt: which entries of the state were the module and the optimizers
 
 
-class HaiFSDPStrategy(DDPStrategy, _Sharded):
+class HaiFSDPStrategy(DDPStrategy, Sharded):
     """Fabric sharded data parallel: ``Fabric(strategy="hai_fsdp")``.
 
     Processes, the process group and the collectives (``all_reduce``, ``barrier``, ``broadcast``) are Fabric
@@ -87,7 +87,7 @@ class HaiFSDPStrategy(DDPStrategy, _Sharded):
         )
         self.state_dict_type = check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
         self._fsdp_kwargs = options
-        self._backward_sync_control = _ShardedBackwardSyncControl()
+        self._backward_sync_control = NoSyncControl(FullyShardedDataParallel, "hai_fsdp")
 
     @override
     def setup_environment(self) -> None:
@@ -247,11 +247,4 @@ def _the_module(state: dict[str, Any]) -> FullyShardedDataParallel:
     return modules[0]
 
 
-class _ShardedBackwardSyncControl(_BackwardSyncControl):
-    @override
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return _sharded(module).no_sync() if enabled else nullcontext()
-
-
-if "hai_fsdp" not in STRATEGY_REGISTRY:
-    HaiFSDPStrategy.register_strategies(STRATEGY_REGISTRY)
+register_once(HaiFSDPStrategy, STRATEGY_REGISTRY)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -19,6 +17,7 @@ from typing_extensions import override
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.hfreduce import Communicator
 from lightning_haiscale.strategies.arguments import check_bool, check_choice, check_number, check_timeout
+from lightning_haiscale.strategies.parallel import register_once
 
 __all__ = ["HaiDDPStrategy", "hai_ddp_options", "wrap_hai_ddp"]
 
@@ -31,7 +30,8 @@ class HaiDDPStrategy(DDPStrategy):
     """Data parallel whose gradients are averaged by the hfreduce engine while backward runs.
 
     Everything else is Lightning's ``DDPStrategy``: launchers, samplers, ``num_nodes`` (several hosts take
-    the engine's hierarchical path), checkpoints (the same format as ``"ddp"``), CPU and CUDA. The
+    the engine's hierarchical path), checkpoints (the same format as ``"ddp"``), CPU and CUDA, and
+    ``block_backward_sync`` (it enters the wrapper's ``no_sync()``, as :func:`~.parallel.no_sync_of` does). The
     parameters are ``DDPStrategy``'s, in its order, then hai_ddp's own; the explicit signature is what
     LightningCLI and ``--help`` show (``DDPStrategy``'s ``**kwargs`` lead into torch DDP's options).
 
@@ -104,14 +104,23 @@ class HaiDDPStrategy(DDPStrategy):
         construction (its engine is not torch's reducer), so there is nothing to register."""
         self.model = self._setup_model(self.model)
 
+    @classmethod
     @override
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        if isinstance(self.model, DistributedDataParallel):
-            with self.model.no_sync():
-                yield
-        else:
-            yield
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("hai_ddp", cls, description="data parallel on the hfreduce shared-memory engine")
+        strategy_registry.register(
+            "hai_ddp_find_unused_parameters_true",
+            cls,
+            description="hai_ddp with find_unused_parameters=True",
+            find_unused_parameters=True,
+        )
+        # Lightning's spawn launcher: trained weights come back to the launching process.
+        strategy_registry.register(
+            "hai_ddp_spawn",
+            cls,
+            description="hai_ddp with processes started by torch.multiprocessing.spawn",
+            start_method="spawn",
+        )
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -122,8 +131,9 @@ class HaiDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        """Closes the wrapper (stops its engine), then Lightning's teardown."""
         if isinstance(self.model, DistributedDataParallel):
-            self.model.reducer.stop()
+            self.model.close()
             self.model = self.lightning_module
         super().teardown()
 
@@ -162,19 +172,4 @@ _LIGHTNING_UNUSED_HINT = (
 )
 
 
-def _register() -> None:
-    entries = {
-        "hai_ddp": ("data parallel on the hfreduce shared-memory engine", {}),
-        "hai_ddp_find_unused_parameters_true": (
-            "hai_ddp with find_unused_parameters=True",
-            {"find_unused_parameters": True},
-        ),
-        # Lightning's spawn launcher: trained weights come back to the launching process.
-        "hai_ddp_spawn": ("hai_ddp with processes started by torch.multiprocessing.spawn", {"start_method": "spawn"}),
-    }
-    for name, (description, init_params) in entries.items():
-        if name not in StrategyRegistry:
-            StrategyRegistry.register(name, HaiDDPStrategy, description=description, **init_params)
-
-
-_register()
+register_once(HaiDDPStrategy, StrategyRegistry)

@@ -46,7 +46,7 @@ from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy, check_policy
 from lightning_haiscale.hfreduce import Communicator
 from lightning_haiscale.strategies.arguments import check_bool, check_choice
-from lightning_haiscale.strategies.parallel import HaiParallelStrategy
+from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
 
 __all__ = ["HaiFSDPStrategy", "hai_fsdp_options", "wrap_hai_fsdp"]
 
@@ -118,7 +118,7 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         self.model = self._setup_model(self.precision_plugin.convert_module(self.model))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._reset_optimizers_and_schedulers()
+            self._reset_optimizers()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
@@ -138,15 +138,6 @@ class HaiFSDPStrategy(HaiParallelStrategy):
     @override
     def model_to_device(self) -> None:
         """The wrapper creates the shards on the root device."""
-
-    @override
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        if isinstance(self.model, FullyShardedDataParallel):
-            with self.model.no_sync():
-                yield
-        else:
-            yield
 
     # ---------------------------------------------------------------------- checkpoints
 
@@ -221,6 +212,11 @@ class HaiFSDPStrategy(HaiParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Done in :meth:`load_checkpoint`, straight into the pieces."""
 
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("hai_fsdp", cls, description="fully sharded data parallel on the hfreduce engine")
+
     @override
     def teardown(self) -> None:
         if self.cluster_environment is not None:
@@ -267,11 +263,4 @@ def _mmap(path: Path, weights_only: bool) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
 
 
-def _register() -> None:
-    if "hai_fsdp" not in StrategyRegistry:
-        StrategyRegistry.register(
-            "hai_fsdp", HaiFSDPStrategy, description="fully sharded data parallel on the hfreduce engine"
-        )
-
-
-_register()
+register_once(HaiFSDPStrategy, StrategyRegistry)

@@ -1,16 +1,23 @@
 """``HaiParallelStrategy``: one process per device in a ``torch.distributed`` world, with no DDP wrapper.
 
 What ``hai_fsdp`` and the pipeline strategies share: topology, launch, the process group, and the
-collectives Lightning calls for logging and checkpoints. Lightning's ``DDPStrategy`` does the same work,
-but around torch's ``DistributedDataParallel``; Lightning's own FSDP and ModelParallel strategies each
-repeat it, and so would we without this base. The few private Lightning helpers it uses
-(``_init_dist_connection``, ``_sync_ddp_if_available``, the subprocess launcher) are the ones every
-Lightning strategy uses; they live in this one module so a Lightning upgrade touches one place.
+collectives Lightning calls for logging and checkpoints, and ``block_backward_sync``. Lightning's
+``DDPStrategy`` does the same work, but around torch's ``DistributedDataParallel``; Lightning's own FSDP and
+ModelParallel strategies each repeat it, and so would we without this base.
+
+What every Trainer strategy of this package shares lives here too: :func:`register_once` (each strategy
+class names itself in Lightning's ``register_strategies`` classmethod) and :func:`no_sync_of`. The private
+Lightning helpers the strategies use (``_init_dist_connection``, ``_sync_ddp_if_available``, the subprocess
+launcher, ``_optimizers_to_device``, ``Strategy._reset_optimizers_and_schedulers``) are the ones every
+Lightning strategy uses; they are imported or called in this one module so a Lightning upgrade touches one
+place.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -18,11 +25,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -30,13 +39,14 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.types import DistributedDataParallel as _HasNoSync
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
 from lightning_haiscale.strategies.arguments import check_timeout
 
-__all__ = ["HaiParallelStrategy", "agree_on_inf"]
+__all__ = ["HaiParallelStrategy", "agree_on_inf", "no_sync_of", "register_once"]
 
 
 class HaiParallelStrategy(ParallelStrategy):
@@ -148,6 +158,27 @@ class HaiParallelStrategy(ParallelStrategy):
         """Clips the gradients of the whole model, of which this rank holds a part, by its global norm."""
 
     @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: backwards inside skip the gradient all-reduce (see :func:`no_sync_of`)."""
+        with no_sync_of(self._gradient_synchronizer()):
+            yield
+
+    def _gradient_synchronizer(self) -> Any:
+        """What averages the gradients over the ranks: the wrapped model (a pipeline strategy: its pipeline)."""
+        return self.model
+
+    def _reset_optimizers(self) -> None:
+        """Forgets the optimizers of an earlier fit before ``setup_optimizers`` builds new ones (Lightning's
+        private ``Strategy._reset_optimizers_and_schedulers``, as its FSDP strategy calls it)."""
+        self._reset_optimizers_and_schedulers()
+
+    def _optimizer_states_to_device(self) -> None:
+        """Moves the optimizers' states to the root device (Lightning's private ``_optimizers_to_device``, as
+        ``Strategy.setup`` calls it)."""
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
     def barrier(self, name: str | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             return
@@ -172,6 +203,27 @@ class HaiParallelStrategy(ParallelStrategy):
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+def no_sync_of(module: Any) -> AbstractContextManager[None]:
+    """``module.no_sync()`` if it has one (our DDP, FSDP and pipeline wrappers), else a null context.
+
+    The one mechanism behind every ``block_backward_sync`` here: Lightning's ``ParallelStrategy`` makes the same
+    check (its runtime-checkable ``DistributedDataParallel`` protocol) for ``hai_ddp``, which inherits it. Before
+    setup the model is the bare LightningModule, which has no ``no_sync``: nothing to block.
+    """
+    return module.no_sync() if isinstance(module, _HasNoSync) else nullcontext()
+
+
+def register_once(strategy: type[Any], registry: _StrategyRegistry) -> None:
+    """Registers ``strategy.register_strategies``'s names in ``registry`` (Trainer's or Fabric's), skipping those
+    already there, so importing or reloading the package twice registers nothing twice (Lightning's registry
+    raises on a second registration)."""
+    fresh = _StrategyRegistry()
+    strategy.register_strategies(fresh)
+    for name, entry in fresh.items():
+        if name not in registry:
+            registry.register(name, entry["strategy"], entry["description"], **entry["init_params"])
 
 
 def agree_on_inf(plugin: Any, owner: str) -> None:

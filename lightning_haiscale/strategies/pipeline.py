@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -35,7 +35,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
@@ -46,7 +45,7 @@ from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups, partition
 from lightning_haiscale.strategies import pipeline_checkpoint as stage_files
 from lightning_haiscale.strategies.arguments import check_choice, check_int
-from lightning_haiscale.strategies.parallel import HaiParallelStrategy
+from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
 from lightning_haiscale.strategies.pipeline_step import PipelinedStep, StageProxy, capture_inputs
 
 __all__ = ["GPipeStrategy", "Interleaved1F1BStrategy", "PipeDreamStrategy"]
@@ -72,6 +71,7 @@ class _PipelineStrategy(HaiParallelStrategy):
     """
 
     strategy_name: ClassVar[str]
+    description: ClassVar[str]  # in Lightning's StrategyRegistry
     interleaved: ClassVar[bool] = False  # several model chunks per rank
 
     def __init__(
@@ -198,7 +198,7 @@ class _PipelineStrategy(HaiParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            self._optimizer_states_to_device()
 
     def _install_proxy(self) -> None:
         """Replaces the module's network by a ``StageProxy`` of this rank's layers (once per module)."""
@@ -313,10 +313,8 @@ class _PipelineStrategy(HaiParallelStrategy):
         return closure_loss
 
     @override
-    @contextlib.contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        with self._pipeline.no_sync() if self._pipeline is not None else contextlib.nullcontext():
-            yield
+    def _gradient_synchronizer(self) -> Pipeline | None:
+        return self._pipeline  # block_backward_sync enters its no_sync()
 
     # ----- checkpoints -------------------------------------------------------------------------------
 
@@ -378,21 +376,22 @@ class _PipelineStrategy(HaiParallelStrategy):
     def teardown(self) -> None:
         for stage in self._pipeline.stages if self._pipeline is not None else []:
             if isinstance(stage, DistributedDataParallel):
-                stage.reducer.stop()
+                stage.close()
         if self._step is not None:
             self._step.close()
         super().teardown()
 
     @classmethod
-    def _register(cls, description: str) -> None:
-        if cls.strategy_name not in StrategyRegistry:
-            StrategyRegistry.register(cls.strategy_name, cls, description=description)
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.description)
 
 
 class GPipeStrategy(_PipelineStrategy):
     """GPipe: all forwards, then all backwards; ``checkpoint`` ("never", "always", "except_last")."""
 
     strategy_name = "hai_gpipe"
+    description = "pipeline parallel, GPipe schedule (lightning_haiscale.pipeline)"
 
     @override
     def _build_pipeline(self, stages: list[nn.Module]) -> Pipeline:
@@ -403,6 +402,7 @@ class PipeDreamStrategy(_PipelineStrategy):
     """PipeDream-flush (1F1B): stage ``r`` of ``S`` keeps at most ``S - r`` microbatches' activations."""
 
     strategy_name = "hai_pipedream"
+    description = "pipeline parallel, 1F1B schedule (lightning_haiscale.pipeline)"
 
     @override
     def _build_pipeline(self, stages: list[nn.Module]) -> Pipeline:
@@ -413,6 +413,7 @@ class Interleaved1F1BStrategy(_PipelineStrategy):
     """Interleaved 1F1B with ``num_model_chunks`` chunks per rank (default 2); ``chunks`` a multiple of pp_size."""
 
     strategy_name = "hai_interleaved_1f1b"
+    description = "pipeline parallel, interleaved 1F1B schedule (lightning_haiscale.pipeline)"
     interleaved = True
 
     def __init__(self, *args: Any, num_model_chunks: int = 2, **kwargs: Any) -> None:
@@ -444,6 +445,5 @@ def _find_network(module: nn.Module) -> str:
     return names[0]
 
 
-GPipeStrategy._register("pipeline parallel, GPipe schedule (lightning_haiscale.pipeline)")
-PipeDreamStrategy._register("pipeline parallel, 1F1B schedule (lightning_haiscale.pipeline)")
-Interleaved1F1BStrategy._register("pipeline parallel, interleaved 1F1B schedule (lightning_haiscale.pipeline)")
+for _strategy in (GPipeStrategy, PipeDreamStrategy, Interleaved1F1BStrategy):
+    register_once(_strategy, StrategyRegistry)

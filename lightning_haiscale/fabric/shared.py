@@ -1,0 +1,42 @@
+"""What the Fabric strategies share: one backward-sync control over the wrappers' ``no_sync()``.
+
+The private Fabric names they build on (``_BackwardSyncControl``, ``_Sharded``: interfaces every Fabric strategy
+implements) are imported in this one module, so a Lightning upgrade touches one place, as
+``strategies/parallel.py`` does for the Trainer strategies.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+from torch import nn
+from typing_extensions import override
+
+__all__ = ["NoSyncControl", "Sharded"]
+
+Sharded = _Sharded  # Fabric's interface of a strategy that shards parameters at creation
+
+
+class NoSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(module)``: the module's ``no_sync()``; the module must be a ``wrapper``.
+
+    Args:
+        wrapper: the class ``fabric.setup`` wraps modules in.
+        strategy: the strategy's name, for the error.
+    """
+
+    def __init__(self, wrapper: type[nn.Module], strategy: str) -> None:
+        self._wrapper = wrapper
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, self._wrapper):
+            raise TypeError(
+                f"no_backward_sync needs the module set up by {self._strategy} (fabric.setup), got "
+                f"{type(module).__name__}"
+            )
+        return module.no_sync()
