@@ -99,7 +99,7 @@ class DistributedDataParallel(nn.Module):
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Backwards inside this block accumulate gradients locally; the first backward after it averages
-        (the reducer's ``no_sync``)."""
+        (the reducer's ``no_sync``; see ``lightning_haiscale.grad_sync``)."""
         return self.reducer.no_sync()
 
     def close(self) -> None:

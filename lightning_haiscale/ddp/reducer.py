@@ -45,14 +45,15 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_haiscale.ddp.buckets import Bucket, plan_buckets, storage_sizes
+from lightning_haiscale.grad_sync import sync_off
 from lightning_haiscale.hfreduce import Communicator, Work
 
 __all__ = ["Reducer"]
@@ -126,15 +127,9 @@ class Reducer:
 
     # ------------------------------------------------------------------------------ public
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Backwards inside accumulate gradients locally (in the buckets) without communication."""
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
+        return sync_off(self, "require_backward_grad_sync")
 
     def stop(self) -> None:
         """Removes the gradient hooks and stops the communication engine. Idempotent."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +38,7 @@ from lightning_haiscale.fsdp.state_dict import (
     summoned_state_dict,
 )
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy, assign_params, unit_modules, unit_scopes
+from lightning_haiscale.grad_sync import sync_off
 from lightning_haiscale.hfreduce import Communicator
 
 __all__ = ["FullyShardedDataParallel"]
@@ -226,14 +227,9 @@ class FullyShardedDataParallel(nn.Module):
             seen.add(id(piece))
             yield (f"{prefix}.{name}" if prefix else name), piece
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Backward passes inside accumulate unsharded gradients locally; the first one outside reduces them."""
-        previous, self._sync_grads = self._sync_grads, False
-        try:
-            yield
-        finally:
-            self._sync_grads = previous
+        return sync_off(self, "_sync_grads")
 
     @contextmanager
     def summon_full_params(self, writeback: bool = True, rank0_only: bool = False) -> Iterator[None]:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_haiscale.clip_grad import clip_grad_norm_
+from lightning_haiscale.grad_sync import sync_off
 from lightning_haiscale.pipeline.executor import LossFn, StepConfig, StepResult, check_stage_module, run_actions
 from lightning_haiscale.pipeline.schedule import (
     Action,
@@ -159,14 +159,9 @@ class Pipeline(nn.Module):
             )
         return self._schedules[key]
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Generator[None, None, None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Gradient accumulation: no data-parallel stage all-reduces inside this context."""
-        previous, self._sync_grads = self._sync_grads, False
-        try:
-            yield
-        finally:
-            self._sync_grads = previous
+        return sync_off(self, "_sync_grads")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips every stage's gradients by the norm of the whole pipeline's; returns that norm.

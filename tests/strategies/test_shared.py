@@ -1,5 +1,5 @@
 """What the strategies share (issue #14, move 4): registration, ``block_backward_sync``, the DDP wrapper's
-and ``close()``.
+``close()``, and the one ``no_sync`` mechanism of the plain layer.
 
 Pure checks run in this process; the ``close()`` and teardown checks wrap a real model on 2 gloo processes.
 """
@@ -23,6 +23,7 @@ from torch import nn
 
 import lightning_haiscale
 from lightning_haiscale import fabric
+from lightning_haiscale.grad_sync import sync_off
 from lightning_haiscale.strategies import (
     GPipeStrategy,
     HaiDDPStrategy,
@@ -106,11 +107,12 @@ class _Synced(nn.Module):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        self.sync, self.inside = False, True
-        try:
-            yield
-        finally:
-            self.sync, self.inside = True, False
+        with sync_off(self, "sync"):
+            self.inside = True
+            try:
+                yield
+            finally:
+                self.inside = False
 
     sync = True
 
@@ -150,6 +152,18 @@ def test_block_backward_sync_before_setup_blocks_nothing() -> None:
     assert isinstance(no_sync_of(None), type(no_sync_of(nn.Linear(1, 1))))
 
 
+def test_sync_off_nests_and_restores_after_an_error() -> None:
+    owner = _Synced()
+    with sync_off(owner, "sync"):
+        with sync_off(owner, "sync"):
+            assert owner.sync is False
+        assert owner.sync is False  # the outer block still holds
+    assert owner.sync is True
+    with pytest.raises(ZeroDivisionError), sync_off(owner, "sync"):
+        _ = 1 / 0
+    assert owner.sync is True
+
+
 def _close_and_teardown(rank: int, world: int) -> list[bool]:
     """``close()`` twice, then ``reducer.stop()``; each strategy's teardown closes its wrappers."""
     from lightning_haiscale.ddp import DistributedDataParallel
@@ -157,6 +171,9 @@ def _close_and_teardown(rank: int, world: int) -> list[bool]:
     seen: list[bool] = []
     model = DistributedDataParallel(nn.Linear(4, 2))
     model(torch.ones(1, 4)).sum().backward()
+    with model.no_sync(), model.no_sync():  # the wrapper's no_sync is the reducer's, on sync_off: it nests
+        pass
+    seen.append(model.require_backward_grad_sync)
     model.close()
     seen.append(model.reducer.stopped)
     model.close()  # idempotent
@@ -201,4 +218,4 @@ def _placed(world: int) -> dict[str, Any]:
 
 def test_close_is_idempotent_and_every_teardown_calls_it() -> None:
     for seen in run_distributed(_close_and_teardown, 2):
-        assert seen == [True] * 6
+        assert seen == [True] * 7
