@@ -181,6 +181,7 @@ def main(argv: list[str]) -> int:
                 "metric": "samples/s",
                 "ours_value": hai["samples_per_s"],
                 "peer_value": ddp["samples_per_s"],
+                "ceiling_value": free["samples_per_s"],  # no_comm: the ceiling of any engine (benchmarks/report.py)
                 "ours_rss_mib": hai["rss_mib"],
                 "peer_rss_mib": ddp["rss_mib"],
             }
