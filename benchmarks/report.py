@@ -1,17 +1,21 @@
 """``make bench``: every technique beside its peer in one run; writes RESULTS.md's summary and results.png.
 
-    python -m benchmarks.report [--quick] [--only allreduce,ddp,fsdp,pipeline,offload_hooks,offload]
+    python -m benchmarks.report [--quick] [--only allreduce,ddp,fsdp,fsdp_medium,pipeline,offload_hooks,offload]
 
 Each benchmark runs as its own subprocess (its log under ``benchmarks/logs/``) and writes rows as JSON:
 ``technique, config, ours, peer, metric, ours_value, peer_value`` (higher is better) and, where measured,
-``ours_rss_mib, peer_rss_mib``. The summary table replaces the block between the report markers at the
-top of RESULTS.md; the detailed sections below it are kept. The chart needs matplotlib
-(``pip install .[bench]``); without it the table is still written.
+``ours_rss_mib, peer_rss_mib``, ``ours_pss_mib, peer_pss_mib`` (peak memory per rank) and ``ceiling_value``
+(the metric of a run with no communication at all: the ceiling of the ratio). The report is data-driven: a
+row a benchmark adds shows up in the table and the chart as it is, and an optional column appears when some
+row fills it. The summary table replaces the block between the report markers at the top of RESULTS.md;
+the detailed sections below it are kept. The chart needs matplotlib (``pip install .[bench]``); without it
+the table is still written.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -21,6 +25,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning
 import torch
@@ -41,7 +46,7 @@ class Run:
 
 def runs(quick: bool) -> list[Run]:
     repeats = ["--repeats", "1"] if quick else []
-    return [
+    chosen = [
         Run("allreduce", ["allreduce", "--world", "2", "--min", "4K", "--max", "64M"], 15),
         Run("ddp", ["strategies", "ddp", *repeats], 110 if quick else 200),
         Run("fsdp", ["strategies", "fsdp", *repeats], 150 if quick else 280),
@@ -49,6 +54,9 @@ def runs(quick: bool) -> list[Run]:
         Run("offload_hooks", ["offload_overhead"], 12),
         Run("offload", ["offload_gpu"], 120, needs_cuda=True),
     ]
+    if "medium" in importlib.import_module("benchmarks.strategy_fsdp").CONFIGS:  # GPT-2 Medium: memory at size
+        chosen.insert(3, Run("fsdp_medium", ["strategies", "fsdp", "--configs", "medium", "--repeats", "1"], 300))
+    return chosen
 
 
 def run_one(run: Run, logs: Path) -> list[dict]:
@@ -71,23 +79,43 @@ def run_one(run: Run, logs: Path) -> list[dict]:
     return converters[run.name](data) if run.name in converters else data["rows"]
 
 
+_PEERS = {"gloo": "gloo", "deepspeed": "DeepSpeed shm"}  # a size row's "<peer>_s" column -> its name here
+
+
 def allreduce_rows(data: dict) -> list[dict]:
-    """The all-reduce benchmark's latency at 4 KiB and bandwidth at the largest size, engine vs gloo."""
-    small, large = data["rows"][0], data["rows"][-1]
-    mib = large["bytes"] / 2**20
+    """The engine against each peer column of the all-reduce benchmark (``<peer>_s``: gloo, and DeepSpeed's
+    shm all-reduce where it built): latency at 4 KiB, bandwidth at 1 MiB (when measured) and at the largest
+    size, and at the largest size on an ``alloc_buffer`` tensor. A peer that did not run (``None``) is left out."""
+    sizes = data["rows"]
+    small, large = sizes[0], sizes[-1]
+    middle = [r for r in sizes[1:-1] if r["bytes"] == 1 << 20]
+    peers = [key[: -len("_s")] for key in small if key.endswith("_s") and key not in ("engine_s", "buffer_s")]
+    rows = []
+    for peer in peers:
+        name = _PEERS.get(peer, peer)
 
-    def row(config: str, metric: str, ours: float, peer: float) -> dict:
-        return {"technique": "hfreduce all_reduce", "config": config, "ours": "engine", "peer": "gloo",
-                "metric": metric, "ours_value": ours, "peer_value": peer}  # fmt: skip
+        def row(config: str, metric: str, ours: float, theirs: float | None, name: str = name) -> dict | None:
+            if theirs is None:
+                return None
+            return {"technique": "hfreduce all_reduce", "config": config, "ours": "engine", "peer": name,
+                    "metric": metric, "ours_value": ours, "peer_value": theirs}  # fmt: skip
 
-    def gbps(seconds: float) -> float:
-        return large["bytes"] / seconds / 1e9
+        def gbps(size: dict, key: str) -> float | None:
+            return None if size.get(key) is None else size["bytes"] / size[key] / 1e9
 
-    return [
-        row("4 KiB fp32", "calls/s", 1 / small["engine_s"], 1 / small["gloo_s"]),
-        row(f"{mib:g} MiB fp32", "GB/s", gbps(large["engine_s"]), gbps(large["gloo_s"])),
-        row(f"{mib:g} MiB fp32, alloc_buffer", "GB/s", gbps(large["buffer_s"]), gbps(large["gloo_s"])),
-    ]
+        candidates = [row("4 KiB fp32", "calls/s", 1 / small["engine_s"], _inverse(small.get(f"{peer}_s")))]
+        for size in [*middle, large]:
+            label = f"{size['bytes'] / 2**20:g} MiB fp32"
+            candidates.append(row(label, "GB/s", gbps(size, "engine_s"), gbps(size, f"{peer}_s")))
+        if large.get("buffer_s") is not None:
+            label = f"{large['bytes'] / 2**20:g} MiB fp32, alloc_buffer"
+            candidates.append(row(label, "GB/s", gbps(large, "buffer_s"), gbps(large, f"{peer}_s")))
+        rows += [r for r in candidates if r is not None]
+    return rows
+
+
+def _inverse(seconds: float | None) -> float | None:
+    return None if seconds is None else 1 / seconds
 
 
 def offload_hook_rows(data: dict) -> list[dict]:
@@ -101,23 +129,82 @@ def offload_hook_rows(data: dict) -> list[dict]:
     ]  # fmt: skip
 
 
+def ratio(row: dict) -> float:
+    """Ours over the peer (values are rates: higher is better)."""
+    return row["ours_value"] / row["peer_value"]
+
+
+def ceiling_ratio(row: dict) -> float | None:
+    """The ratio no implementation can pass on this config (``ceiling_value``: hai_ddp's no-communication run)."""
+    return row["ceiling_value"] / row["peer_value"] if row.get("ceiling_value") else None
+
+
+def comm_removed(row: dict) -> float | None:
+    """The share of the peer's communication time that ours removes: (peer - ours) / (peer - ceiling), in time
+    per sample (1 / each rate), from the same run. ``None`` without a ceiling, or when communication is under
+    ``COMM_BOUND`` of the peer's step: a compute-bound config, where the share would be a ratio of noise."""
+    if not row.get("ceiling_value"):
+        return None
+    peer, ours, free = (1 / row[k] for k in ("peer_value", "ours_value", "ceiling_value"))
+    return (peer - ours) / (peer - free) if peer - free >= COMM_BOUND * peer else None
+
+
+COMM_BOUND = 0.1  # the least share of the peer's step spent communicating for comm_removed to be shown
+
+
+def _memory(row: dict, kind: str) -> str:
+    ours, peer = row.get(f"ours_{kind}_mib"), row.get(f"peer_{kind}_mib")
+    return f"{ours:.0f} / {peer:.0f} MiB ({ours / peer:.2f})" if ours and peer else ""
+
+
+# Columns shown only when some row fills them: (header, cell of a row, "" when it has none).
+_OPTIONAL_COLUMNS = (
+    ("no-comm ceiling", lambda r: f"{c:.2f}x" if (c := ceiling_ratio(r)) else ""),
+    ("share of the peer's comm time removed", lambda r: f"{s:.0%}" if (s := comm_removed(r)) is not None else ""),
+    ("peak RSS/rank ours / peer", lambda r: _memory(r, "rss")),
+    ("peak PSS/rank ours / peer", lambda r: _memory(r, "pss")),
+)
+
+
+def machine_line() -> str:
+    """CPU model, cores, torch and Lightning versions, and the date: what a reader needs to compare runs."""
+    return (
+        f"{cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}, Lightning {lightning.__version__}; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def summary(rows: list[dict], command: str) -> str:
+    columns = [(head, cell) for head, cell in _OPTIONAL_COLUMNS if any(cell(r) for r in rows)]
     lines = [
         BEGIN,
         "## Summary (written by `make bench`)",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "
-        f"Lightning {lightning.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
-        f"Command: `{command}`. Higher is better; ratio = ours / peer (RSS: ours / peer, lower is better).",
+        f"Machine: {machine_line()}.",
+        f"Command: `{command}`. Higher is better; ratio = ours / peer; the ceiling is the ratio of a run with no "
+        "communication at all, and the share of the peer's communication time removed is (peer - ours) / "
+        f"(peer - ceiling) in step time, where communication is at least {COMM_BOUND:.0%} of the peer's step "
+        "(memory: ours / peer, lower is better).",
         "",
-        "| technique | config | ours | peer | metric | ours | peer | ratio | peak RSS/rank ours / peer |",
-        "|---|---|---|---|---|---:|---:|---:|---|",
+        "| technique | config | ours | peer | metric | ours | peer | ratio |" + "".join(f" {h} |" for h, _ in columns),
+        "|---|---|---|---|---|---:|---:|---:|" + "---|" * len(columns),
     ]
     for r in rows:
-        rss = f"{r['ours_rss_mib']:.0f} / {r['peer_rss_mib']:.0f} MiB" if r.get("peer_rss_mib") else ""
         lines.append(
             f"| {r['technique']} | {r['config']} | {r['ours']} | {r['peer']} | {r['metric']} "
-            f"| {r['ours_value']:.3g} | {r['peer_value']:.3g} | {r['ours_value'] / r['peer_value']:.2f}x | {rss} |"
+            f"| {r['ours_value']:.3g} | {r['peer_value']:.3g} | {ratio(r):.2f}x |"
+            + "".join(f" {cell(r)} |" for _, cell in columns)
         )
     lines += ["", "![results](results.png)", END]
     return "\n".join(lines)
@@ -135,39 +222,102 @@ def write_results(block: str) -> None:
 
 
 def chart(rows: list[dict], path: Path) -> bool:
-    """Grouped bars like haiscale's published comparison: peer = 1.0, ours beside it, ratio on top."""
+    """Writes :func:`figure` to ``path``; ``False`` without matplotlib."""
     try:
         import matplotlib
-        import matplotlib.ticker
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib missing (pip install .[bench]): table written, chart skipped", file=sys.stderr)
         return False
-    labels = [textwrap.fill(f"{r['ours']} vs {r['peer']}: {r['config']}", 28) for r in rows]
-    ratios = [r["ours_value"] / r["peer_value"] for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(rows)), 6))
-    ax.bar([i - 0.2 for i in x], [1.0] * len(rows), width=0.4, label="peer", color="#9aa5b1")
-    bars = ax.bar([i + 0.2 for i in x], ratios, width=0.4, label="lightning-haiscale", color="#d1495b")
-    for bar, ratio in zip(bars, ratios, strict=True):
-        ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
-    ax.set_xticks(list(x), labels, fontsize=7, rotation=40, ha="right")
-    ax.set_ylabel("throughput relative to the peer (log scale)")
+    fig = figure(rows)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def figure(rows: list[dict]) -> Any:
+    """One bar per row, ours / peer on a log scale (the peer is the 1x line), with the ceiling drawn where one
+    exists; a second panel, peer / ours peak memory per rank, for the rows that measured it."""
+    import matplotlib.pyplot as plt
+
+    memory = [r for r in rows if r.get("ours_rss_mib") and r.get("peer_rss_mib")]
+    widths = [max(1, len(rows)), max(1, len(memory))] if memory else [1]
+    size = (max(9, 0.75 * (len(rows) + len(memory))), 6.5)
+    fig, axes = plt.subplots(1, len(widths), figsize=size, gridspec_kw={"width_ratios": widths}, squeeze=False)
+    _speed_panel(axes[0][0], rows)
+    if memory:
+        _memory_panel(axes[0][1], memory)
+    fig.suptitle("lightning-haiscale against its peers, side by side in one run (higher is better)")
+    fig.text(0.5, 0.93, f"Machine: {machine_line()}", ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    return fig
+
+
+def _label(row: dict) -> str:
+    return textwrap.fill(f"{row['ours']} vs {row['peer']}: {row['config']}", 30)
+
+
+def _log_axis(ax: Any, ylabel: str) -> None:
+    import matplotlib.ticker
+
+    ax.axhline(1.0, color="black", linewidth=0.8)  # the peer
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    ax.set_ylabel(ylabel)
+    low, high = ax.get_ylim()
+    ax.set_ylim(min(low, 0.5), max(high, 2.0) * 1.6)  # room for the labels above the bars
+
+
+def _bars(ax: Any, x: list[float], ratios: list[float], **style: Any) -> Any:
+    """Bars from the 1x line (the peer) to each ratio: up when ours is ahead, down when behind."""
+    return ax.bar(x, [r - 1 for r in ratios], bottom=1.0, **style)
+
+
+def _speed_panel(ax: Any, rows: list[dict]) -> None:
+    x = list(range(len(rows)))
+    ceilings = [ceiling_ratio(r) for r in rows]
+    with_ceiling = [i for i, c in enumerate(ceilings) if c]
+    if with_ceiling:
+        _bars(ax, with_ceiling, [ceilings[i] for i in with_ceiling], width=0.75, fill=False, edgecolor="#30638e",
+              linestyle="--", label="no-communication ceiling")  # fmt: skip
+    _bars(ax, x, [ratio(r) for r in rows], width=0.5, color="#d1495b", label="ours / peer")
+    for i, r in enumerate(rows):
+        text = f"{ratio(r):.2f}x"
+        if ceilings[i]:
+            text += f"\nceiling {ceilings[i]:.2f}x"
+        if (share := comm_removed(r)) is not None:
+            text += f"\n{share:.0%} of comm\nremoved"
+        top = max(ratio(r), ceilings[i] or 0, 1.0)
+        ax.annotate(text, (i, top), ha="center", va="bottom", fontsize=6, linespacing=0.9)
+    ax.set_xticks(x, [_label(r) for r in rows], fontsize=6, rotation=45, ha="right")
+    _log_axis(ax, "speed, ours / peer (log scale; 1x = the peer)")
+    ax.legend(fontsize=7, loc="upper right")
+
+
+def _memory_panel(ax: Any, rows: list[dict]) -> None:
+    kinds = [k for k in ("rss", "pss") if any(r.get(f"ours_{k}_mib") for r in rows)]
+    width = 0.7 / len(kinds)
+    for j, kind in enumerate(kinds):
+        have = [(i, r) for i, r in enumerate(rows) if r.get(f"ours_{kind}_mib") and r.get(f"peer_{kind}_mib")]
+        offsets = [i + (j - (len(kinds) - 1) / 2) * width for i, _ in have]
+        values = [r[f"peer_{kind}_mib"] / r[f"ours_{kind}_mib"] for _, r in have]
+        _bars(ax, offsets, values, width=width, color=("#edae49", "#00798c")[j],
+              label=f"peak {kind.upper()}/rank, peer / ours")  # fmt: skip
+        for offset, value in zip(offsets, values, strict=True):
+            ax.annotate(f"{value:.2f}x", (offset, max(value, 1.0)), ha="center", va="bottom", fontsize=6)
+    x = list(range(len(rows)))
+    ax.set_xticks(x, [_label(r) for r in rows], fontsize=6, rotation=45, ha="right")
+    _log_axis(ax, "memory, peer / ours (log scale; above 1x = ours smaller)")
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one repeat per pair (about half the time)")
-    parser.add_argument("--only", help="comma-separated subset of allreduce,ddp,fsdp,pipeline,offload_hooks,offload")
+    parser.add_argument("--only", help="comma-separated subset of " + ",".join(r.name for r in runs(quick=False)))
     args = parser.parse_args()
     logs = HERE / "logs"
     logs.mkdir(exist_ok=True)
