@@ -1,4 +1,11 @@
 // The only file that knows pybind11: checks every call at the border, releases the GIL for waits.
+//
+// [Note: addresses at the border]
+// Tensors cross into the engine as raw addresses (Python's `tensor.data_ptr()`) with an element count and
+// a DType, not as torch tensors: the engine knows nothing of torch (csrc/ builds and is tested without it,
+// and one .so serves every torch version, since it links no libtorch ABI). The Python face
+// (lightning_haiscale.hfreduce) owns what an address cannot say: it checks contiguity, device and dtype,
+// and keeps each tensor alive until the collective that reads or writes it has completed.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -45,7 +52,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("simd_level", &hfreduce::simd_level);
   py::register_exception<hfreduce::ShmFullError>(m, "ShmFullError", PyExc_MemoryError);
 
-  py::enum_<ErrorKind>(m, "ErrorKind", py::arithmetic())
+  py::enum_<DType>(m, "DType")  // members named as torch names its dtypes (torch.float32 -> FLOAT32)
+      .value("FLOAT32", DType::kFloat32)
+      .value("FLOAT64", DType::kFloat64)
+      .value("FLOAT16", DType::kFloat16)
+      .value("BFLOAT16", DType::kBFloat16)
+      .value("INT32", DType::kInt32)
+      .value("INT64", DType::kInt64);
+
+  py::enum_<ErrorKind>(m, "ErrorKind")
       .value("NONE", ErrorKind::kNone)
       .value("TIMEOUT", ErrorKind::kTimeout)
       .value("PEER_DIED", ErrorKind::kPeerDied)
@@ -63,8 +78,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "reduce",
-      [](int32_t dtype, uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, double divisor) {
-        const DType dt = hfreduce::dtype_from_code(dtype);
+      [](DType dt, uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, double divisor) {
         if (srcs.empty()) throw std::invalid_argument("hfreduce: reduce needs at least one source");
         std::vector<const void*> ptrs;
         for (uintptr_t s : srcs) ptrs.push_back(as_ptr(s, count, "source"));
@@ -75,18 +89,18 @@ PYBIND11_MODULE(_C, m) {
       "Sums arrays element-wise into dst (test hook for the SIMD kernels).");
 
   py::class_<Fingerprint>(m, "Fingerprint")
-      .def(py::init([](Collective collective, int32_t dtype, size_t count, uint64_t arg, double divisor) {
+      .def(py::init([](Collective collective, DType dtype, size_t count, uint64_t arg, double divisor) {
              Fingerprint call;
              call.collective = collective;
-             call.dtype = static_cast<uint8_t>(hfreduce::dtype_from_code(dtype));
-             call.divisor = static_cast<float>(checked_divisor(hfreduce::dtype_from_code(dtype), divisor));
+             call.dtype = static_cast<uint8_t>(dtype);
+             call.divisor = static_cast<float>(checked_divisor(dtype, divisor));
              call.count = count;
              call.arg = arg;
              return call;
            }),
            py::arg("collective"), py::arg("dtype"), py::arg("count"), py::arg("arg") = 0, py::arg("divisor") = 1.0)
       .def_readonly("collective", &Fingerprint::collective)
-      .def_property_readonly("dtype", [](const Fingerprint& f) { return static_cast<int32_t>(f.dtype); })
+      .def_property_readonly("dtype", [](const Fingerprint& f) { return static_cast<DType>(f.dtype); })
       .def_readonly("count", &Fingerprint::count)
       .def_readonly("arg", &Fingerprint::arg)
       .def_readonly("divisor", &Fingerprint::divisor)
@@ -96,7 +110,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &Work::is_completed)
-      .def("error_kind", [](Work& w) { return static_cast<int>(w.error_kind()); })  // an ErrorKind value
+      .def("error_kind", &Work::error_kind)
       .def("error_message", &Work::error_message)
       .def("error_ranks", &Work::error_ranks);
 
@@ -134,9 +148,8 @@ PYBIND11_MODULE(_C, m) {
       .def("wait_attached", &Communicator::wait_attached, py::call_guard<py::gil_scoped_release>())
       .def("stop", &Communicator::stop, py::call_guard<py::gil_scoped_release>())
       .def("all_reduce",
-           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count, int32_t dtype, double divisor,
+           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count, DType dt, double divisor,
               bool blocking) {
-             const DType dt = hfreduce::dtype_from_code(dtype);
              const double div = checked_divisor(dt, divisor);
              py::gil_scoped_release release;
              return c.all_reduce(as_ptr(src, count, "input"), const_cast<void*>(as_ptr(dst, count, "output")), count,
@@ -145,9 +158,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("divisor"),
            py::arg("blocking") = false)
       .def("all_reduce_buffer",
-           [](Communicator& c, std::shared_ptr<SharedBuffer> buffer, size_t offset, size_t count, int32_t dtype,
+           [](Communicator& c, std::shared_ptr<SharedBuffer> buffer, size_t offset, size_t count, DType dt,
               double divisor, bool blocking) {
-             const DType dt = hfreduce::dtype_from_code(dtype);
              const double div = checked_divisor(dt, divisor);
              py::gil_scoped_release release;
              return c.all_reduce_buffer(std::move(buffer), offset, count, dt, div, blocking);
@@ -155,9 +167,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("buffer"), py::arg("offset"), py::arg("count"), py::arg("dtype"), py::arg("divisor"),
            py::arg("blocking") = false)
       .def("reduce_scatter",
-           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count_per_rank, int32_t dtype, double divisor,
+           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count_per_rank, DType dt, double divisor,
               bool blocking) {
-             const DType dt = hfreduce::dtype_from_code(dtype);
              const double div = checked_divisor(dt, divisor);
              py::gil_scoped_release release;
              return c.reduce_scatter(as_ptr(src, count_per_rank, "input"),
@@ -167,8 +178,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("src"), py::arg("dst"), py::arg("count_per_rank"), py::arg("dtype"), py::arg("divisor"),
            py::arg("blocking") = false)
       .def("all_gather",
-           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count_per_rank, int32_t dtype, bool blocking) {
-             const DType dt = hfreduce::dtype_from_code(dtype);
+           [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count_per_rank, DType dt, bool blocking) {
              py::gil_scoped_release release;
              return c.all_gather(as_ptr(src, count_per_rank, "input"),
                                  const_cast<void*>(as_ptr(dst, count_per_rank, "output")), count_per_rank, dt,
@@ -176,8 +186,7 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("src"), py::arg("dst"), py::arg("count_per_rank"), py::arg("dtype"), py::arg("blocking") = false)
       .def("broadcast",
-           [](Communicator& c, uintptr_t buffer, size_t count, int32_t dtype, int root, bool blocking) {
-             const DType dt = hfreduce::dtype_from_code(dtype);
+           [](Communicator& c, uintptr_t buffer, size_t count, DType dt, int root, bool blocking) {
              py::gil_scoped_release release;
              return c.broadcast(const_cast<void*>(as_ptr(buffer, count, "tensor")), count, dt, root, blocking);
            },

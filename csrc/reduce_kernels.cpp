@@ -88,13 +88,6 @@ const char* dtype_name(DType dtype) {
   return "unknown dtype";
 }
 
-DType dtype_from_code(int32_t code) {
-  if (code < 0 || code > static_cast<int32_t>(DType::kInt64)) {
-    throw std::invalid_argument("hfreduce: dtype code " + std::to_string(code) + " is not supported");
-  }
-  return static_cast<DType>(code);
-}
-
 void reduce(DType dtype, void* dst, const void* const* srcs, int nsrc, size_t count, double divisor) {
   if (count == 0) return;
   switch (kLevel) {

@@ -13,8 +13,6 @@ size_t element_size(DType dtype);
 bool is_floating(DType dtype);
 // torch's name of the dtype ("float32", ...), for error messages.
 const char* dtype_name(DType dtype);
-// Throws std::invalid_argument for a code that is not a DType.
-DType dtype_from_code(int32_t code);
 
 // Sums `count` elements of `nsrc` arrays into `dst` (which may alias a source) and multiplies by
 // `scale` when scale != 1 (floating types only). Picks the widest SIMD the CPU has at run time.

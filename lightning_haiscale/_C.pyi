@@ -1,4 +1,5 @@
-"""Type stub of the native engine (csrc/). Pointers are integer addresses; see hfreduce.Communicator."""
+"""Type stub of the native engine (csrc/). Tensors cross as integer addresses: see [Note: addresses at the
+border] in csrc/bindings.cpp."""
 
 import enum
 
@@ -6,7 +7,15 @@ def simd_level() -> str: ...
 
 class ShmFullError(MemoryError): ...
 
-class ErrorKind(enum.IntEnum):
+class DType(enum.Enum):  # named as torch names its dtypes (torch.float32 -> FLOAT32)
+    FLOAT32 = 0
+    FLOAT64 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+    INT32 = 4
+    INT64 = 5
+
+class ErrorKind(enum.Enum):
     NONE = 0
     TIMEOUT = 1
     PEER_DIED = 2
@@ -26,20 +35,20 @@ class Fingerprint:
     """What one rank calls; ranks compare them before reading each other's data."""
 
     collective: Collective
-    dtype: int
+    dtype: DType
     count: int
     arg: int
     divisor: float
     def __init__(
-        self, collective: Collective, dtype: int, count: int, arg: int = 0, divisor: float = 1.0
+        self, collective: Collective, dtype: DType, count: int, arg: int = 0, divisor: float = 1.0
     ) -> None: ...
     def describe(self) -> str: ...
-def reduce(dtype: int, dst: int, srcs: list[int], count: int, divisor: float) -> None: ...
+def reduce(dtype: DType, dst: int, srcs: list[int], count: int, divisor: float) -> None: ...
 
 class Work:
     def wait(self, timeout_s: float = -1.0) -> bool: ...
     def is_completed(self) -> bool: ...
-    def error_kind(self) -> int: ...  # an ErrorKind value
+    def error_kind(self) -> ErrorKind: ...
     def error_message(self) -> str: ...
     def error_ranks(self) -> list[int]: ...
 
@@ -69,15 +78,15 @@ class Communicator:
     def stop(self) -> None: ...
     # blocking=True runs the collective on the calling thread (GIL released) once earlier work is done.
     def all_reduce(
-        self, src: int, dst: int, count: int, dtype: int, divisor: float, blocking: bool = False
+        self, src: int, dst: int, count: int, dtype: DType, divisor: float, blocking: bool = False
     ) -> Work: ...
     def all_reduce_buffer(
-        self, buffer: SharedBuffer, offset: int, count: int, dtype: int, divisor: float, blocking: bool = False
+        self, buffer: SharedBuffer, offset: int, count: int, dtype: DType, divisor: float, blocking: bool = False
     ) -> Work: ...
     def reduce_scatter(
-        self, src: int, dst: int, count_per_rank: int, dtype: int, divisor: float, blocking: bool = False
+        self, src: int, dst: int, count_per_rank: int, dtype: DType, divisor: float, blocking: bool = False
     ) -> Work: ...
-    def all_gather(self, src: int, dst: int, count_per_rank: int, dtype: int, blocking: bool = False) -> Work: ...
-    def broadcast(self, buffer: int, count: int, dtype: int, root: int, blocking: bool = False) -> Work: ...
+    def all_gather(self, src: int, dst: int, count_per_rank: int, dtype: DType, blocking: bool = False) -> Work: ...
+    def broadcast(self, buffer: int, count: int, dtype: DType, root: int, blocking: bool = False) -> Work: ...
     def barrier(self, blocking: bool = False) -> Work: ...
     def agree(self, call: Fingerprint, blocking: bool = False) -> Work: ...

@@ -13,11 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_haiscale.ddp.reducer import Reducer
-from lightning_haiscale.hfreduce import Communicator
+from lightning_haiscale.hfreduce import Communicator, supports_dtype
 
 __all__ = ["DistributedDataParallel"]
-
-_ENGINE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
 
 class DistributedDataParallel(nn.Module):
@@ -219,7 +217,7 @@ def _broadcast_coalesced(comm: Communicator, tensors: Iterable[torch.Tensor]) ->
         groups.setdefault((t.dtype, t.device), []).append(t)
     for (dtype, _), group in groups.items():
         flat = torch.cat([t.detach().reshape(-1) for t in group])
-        if dtype in _ENGINE_DTYPES:
+        if supports_dtype(dtype):
             comm.broadcast(flat, src=0)
         else:  # e.g. bool buffers: rare and small, torch.distributed is fine
             dist.broadcast(flat, src=dist.get_global_rank(comm.group, 0), group=comm.group)

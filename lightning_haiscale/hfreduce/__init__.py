@@ -1,7 +1,8 @@
 """The hfreduce-style collective engine: shared-memory, SIMD, asynchronous, hierarchical across hosts."""
 
 from lightning_haiscale.hfreduce._native import simd_level
-from lightning_haiscale.hfreduce.communicator import Communicator, ReduceOp, Work
+from lightning_haiscale.hfreduce.communicator import Communicator, ReduceOp
+from lightning_haiscale.hfreduce.dtypes import supports_dtype
 from lightning_haiscale.hfreduce.errors import (
     HFReduceError,
     HFReduceMismatchError,
@@ -10,6 +11,7 @@ from lightning_haiscale.hfreduce.errors import (
     SharedMemoryTooSmallError,
 )
 from lightning_haiscale.hfreduce.topology import NODE_ID_ENV
+from lightning_haiscale.hfreduce.work import Work
 
 __all__ = [
     "NODE_ID_ENV",
@@ -22,4 +24,5 @@ __all__ = [
     "SharedMemoryTooSmallError",
     "Work",
     "simd_level",
+    "supports_dtype",
 ]

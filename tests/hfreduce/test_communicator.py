@@ -24,8 +24,8 @@ from lightning_haiscale.hfreduce import (
     HFReducePeerError,
     HFReduceTimeoutError,
     SharedMemoryTooSmallError,
+    shared_memory,
 )
-from lightning_haiscale.hfreduce import communicator as communicator_module
 from tests.distributed import run_distributed
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
@@ -192,7 +192,7 @@ def test_bad_input_raises_before_any_collective() -> None:
 
 
 def _small_shm(rank: int, world: int) -> str:
-    communicator_module._shm_free_bytes = lambda: 1 << 20
+    shared_memory.shm_free_bytes = lambda: 1 << 20
     with pytest.raises(SharedMemoryTooSmallError, match="--shm-size"):
         Communicator()
     with pytest.warns(UserWarning, match="falling back to torch.distributed"):

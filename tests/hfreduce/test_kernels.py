@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from lightning_haiscale import _C
-from lightning_haiscale.hfreduce.communicator import _DTYPE_CODES
+from lightning_haiscale.hfreduce import supports_dtype
+from lightning_haiscale.hfreduce.dtypes import engine_dtype
 
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 SIZES = [0, 1, 7, 15, 16, 17, 1000, 4097]
 
 
@@ -27,13 +29,13 @@ def _reference(srcs: list[torch.Tensor], divisor: float) -> torch.Tensor:
     return acc.to(dtype)
 
 
-@pytest.mark.parametrize("dtype", list(_DTYPE_CODES))
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("nsrc", [1, 2, 3, 4])
 def test_reduce_matches_torch(dtype: torch.dtype, n: int, nsrc: int) -> None:
     srcs = [_random(n, dtype, seed) for seed in range(nsrc)]
     dst = torch.empty(n, dtype=dtype)
-    _C.reduce(_DTYPE_CODES[dtype], dst.data_ptr(), [s.data_ptr() for s in srcs], n, 1.0)
+    _C.reduce(engine_dtype(dtype), dst.data_ptr(), [s.data_ptr() for s in srcs], n, 1.0)
     assert torch.equal(dst, _reference(srcs, 1.0))
 
 
@@ -41,7 +43,7 @@ def test_reduce_matches_torch(dtype: torch.dtype, n: int, nsrc: int) -> None:
 def test_average_divides_once(dtype: torch.dtype) -> None:
     srcs = [_random(1031, dtype, seed) for seed in range(3)]
     dst = torch.empty(1031, dtype=dtype)
-    _C.reduce(_DTYPE_CODES[dtype], dst.data_ptr(), [s.data_ptr() for s in srcs], 1031, 3.0)
+    _C.reduce(engine_dtype(dtype), dst.data_ptr(), [s.data_ptr() for s in srcs], 1031, 3.0)
     assert torch.equal(dst, _reference(srcs, 3.0))
 
 
@@ -50,29 +52,39 @@ def test_bfloat16_rounds_to_nearest_even_and_keeps_nan() -> None:
     a = torch.tensor([1.0, float("nan"), 1.0], dtype=torch.bfloat16)
     b = torch.tensor([2.0**-8, 1.0, 3 * 2.0**-8], dtype=torch.bfloat16)
     dst = torch.empty(3, dtype=torch.bfloat16)
-    _C.reduce(_DTYPE_CODES[torch.bfloat16], dst.data_ptr(), [a.data_ptr(), b.data_ptr()], 3, 1.0)
+    _C.reduce(engine_dtype(torch.bfloat16), dst.data_ptr(), [a.data_ptr(), b.data_ptr()], 3, 1.0)
     assert dst[0].item() == 1.0
     assert torch.isnan(dst[1])
     assert dst[2].item() == 1.0 + 2 * 2.0**-7
 
 
 def test_bad_arguments_raise_instead_of_crashing() -> None:
-    with pytest.raises(ValueError, match="dtype code 9"):
-        _C.reduce(9, 1, [1], 1, 1.0)
+    with pytest.raises(TypeError, match="DType"):  # a dtype is the engine's enum, never a bare integer
+        _C.reduce(0, 1, [1], 1, 1.0)
     with pytest.raises(ValueError, match="null"):
-        _C.reduce(0, 0, [0], 4, 1.0)
+        _C.reduce(_C.DType.FLOAT32, 0, [0], 4, 1.0)
     with pytest.raises(ValueError, match="avg"):
         x = torch.zeros(4, dtype=torch.int32)
-        _C.reduce(_DTYPE_CODES[torch.int32], x.data_ptr(), [x.data_ptr()], 4, 2.0)
+        _C.reduce(engine_dtype(torch.int32), x.data_ptr(), [x.data_ptr()], 4, 2.0)
 
 
 def test_simd_level_is_reported() -> None:
     assert _C.simd_level() in {"avx512", "avx2", "generic"}
 
 
-@pytest.mark.parametrize("dtype", list(_DTYPE_CODES))
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_destination_may_alias_any_source(dtype: torch.dtype) -> None:
     srcs = [_random(3001, dtype, seed) for seed in range(3)]
     expected = _reference(srcs, 1.0)
-    _C.reduce(_DTYPE_CODES[dtype], srcs[2].data_ptr(), [s.data_ptr() for s in srcs], 3001, 1.0)
+    _C.reduce(engine_dtype(dtype), srcs[2].data_ptr(), [s.data_ptr() for s in srcs], 3001, 1.0)
     assert torch.equal(srcs[2], expected)
+
+
+def test_engine_dtypes_are_torch_dtypes() -> None:
+    """The engine's DType enum is the one list of supported dtypes; each member names a torch dtype."""
+    assert [supports_dtype(d) for d in DTYPES] == [True] * len(DTYPES)
+    assert not supports_dtype(torch.bool) and not supports_dtype(torch.complex64)
+    assert [engine_dtype(d).name for d in DTYPES] == ["FLOAT32", "FLOAT64", "FLOAT16", "BFLOAT16", "INT32", "INT64"]
+    assert len(_C.DType.__members__) == len(DTYPES)
+    with pytest.raises(TypeError, match=r"does not support dtype torch\.bool; supported: float32, float64"):
+        engine_dtype(torch.bool)
