@@ -14,7 +14,11 @@ load from other processes hits them alike:
 - ``save_on_cpu``: ``save_on_cpu()``, which on CPU copies nothing: the cost of a minimal pack/unpack pair.
 
 Reported per column: step time (median), the overhead per saved tensor ((step - no hooks) / the number
-of pack hook calls of one step), and that overhead over save_on_cpu's.
+of pack hook calls of one step), and that overhead over save_on_cpu's. A second table times the hooks
+alone: each column's region entered, its pack hook called on every tensor one forward saves, its unpack
+hook on every handle, the region left; best of ``--hook-repeats``, less the same loop with identity
+hooks, per saved tensor. It leaves out autograd and the model, so it moves little when other processes
+load the machine: the figure to compare under load.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class Result:
     achieved_ratio: float | None = None
     spans_counted: int | None = None  # ``stats().tensors_saved``: distinct storages counted
     step_times_us: list[float] = field(default_factory=list)
+    hooks_us_per_tensor: float | None = None  # the hooks alone (second table), per saved tensor
+    hooks_vs_peer: float | None = None
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -62,10 +68,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="rounds before measuring")
     p.add_argument("--steps", type=int, default=300, help="measured rounds (one step of each column per round)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--hook-repeats", type=int, default=200, help="repeats of the hooks-alone loop (best is kept)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(list(argv))
-    if args.steps < 1 or args.warmup < 1:
-        p.error("--steps and --warmup must be >= 1 (warm-up lets tagged regions make their plan)")
+    if args.steps < 1 or args.warmup < 1 or args.hook_repeats < 1:
+        p.error("--steps, --warmup and --hook-repeats must be >= 1 (warm-up lets tagged regions make their plan)")
     return args
 
 
@@ -94,18 +101,51 @@ def columns() -> list[tuple[str, Callable[[], Any]]]:
     ]
 
 
-def count_saved(loss_fn: Callable[[], torch.Tensor]) -> int:
-    """Pack hook calls in one forward: every tensor autograd saves, duplicates and parameters included."""
-    calls = 0
+def saved_tensors(loss_fn: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    """What one forward gives the pack hook: every tensor autograd saves, duplicates and parameters included."""
+    saved: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
+        saved.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss_fn()
-    return calls
+    return saved
+
+
+def _installed_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+    """The (pack, unpack) pair of the innermost saved-tensor hooks region (torch has no public getter)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def time_hooks(make_region: Callable[[], Any], saved: Sequence[torch.Tensor], repeats: int) -> float:
+    """Best time in µs of: enter a region, pack every tensor of ``saved``, unpack every handle, leave."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with make_region():
+            pack, unpack = _installed_hooks()
+            handles = [pack(t) for t in saved]
+        unpacked = [unpack(h) for h in handles]
+        del handles, unpacked  # the handles' release is part of the cost (offloaded ones give back buffers)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
+
+
+def measure_hooks(results: Sequence[Result], saved: Sequence[torch.Tensor], repeats: int) -> None:
+    """Fills each hooked column's cost of the hooks alone (over identity hooks) and its ratio to the peer's."""
+    made = dict(columns())
+
+    def identity() -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+    base = time_hooks(identity, saved, repeats)
+    for r in results[1:]:
+        r.hooks_us_per_tensor = (time_hooks(made[r.name], saved, repeats) - base) / len(saved)
+    peer = next(r for r in results if r.name == PEER).hooks_us_per_tensor
+    for r in results[1:]:
+        r.hooks_vs_peer = r.hooks_us_per_tensor / peer if peer and peer > 0 else None
 
 
 def step(model: nn.Module, loss_fn: Callable[[], torch.Tensor], region: Any) -> None:
@@ -154,6 +194,7 @@ def _fmt(value: float | None, spec: str) -> str:
 def format_table(results: Sequence[Result]) -> str:
     """One row per column of the benchmark."""
     header = ["", "step (us, median)", "overhead (us/saved tensor)", "vs save_on_cpu", "achieved ratio", "spans"]
+    header += ["hooks alone (us/saved tensor)", "vs save_on_cpu"]
     rows = [
         [
             r.name,
@@ -162,6 +203,8 @@ def format_table(results: Sequence[Result]) -> str:
             _fmt(r.vs_peer, ".2f") + ("x" if r.vs_peer is not None else ""),
             _fmt(r.achieved_ratio, ".3f"),
             _fmt(r.spans_counted, "d"),
+            _fmt(r.hooks_us_per_tensor, ".2f"),
+            _fmt(r.hooks_vs_peer, ".2f") + ("x" if r.hooks_vs_peer is not None else ""),
         ]
         for r in results
     ]
@@ -179,20 +222,28 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model, loss_fn = build(args)
-    saved = count_saved(loss_fn)
+    tensors = saved_tensors(loss_fn)
+    saved = len(tensors)
     reset_offload_stats()
     results = measure(model, loss_fn, args)
     add_overheads(results, saved)
+    measure_hooks(results, tensors, args.hook_repeats)
+    del tensors
     shape = f"context {args.seq}" if args.model == "gpt" else f"width {args.width}"
     setup = (
         f"model={args.model} ({args.layers} layers, batch {args.batch}, {shape}), {saved} saved tensors per step, "
-        f"torch {torch.__version__}, {args.threads} thread(s), {args.warmup} warm-up + {args.steps} measured rounds"
+        f"torch {torch.__version__}, {args.threads} thread(s), {args.warmup} warm-up + {args.steps} measured rounds, "
+        f"hooks alone: best of {args.hook_repeats}"
     )
     print(setup)
     print(format_table(results))
     by_name = {r.name: r for r in results}
     for name in ("ratio 0 force_copy", "ratio 0"):
-        print(f"{name} overhead per saved tensor vs save_on_cpu's: {_fmt(by_name[name].vs_peer, '.2f')}x")
+        r = by_name[name]
+        print(
+            f"{name} overhead per saved tensor vs save_on_cpu's: {_fmt(r.vs_peer, '.2f')}x "
+            f"(hooks alone: {_fmt(r.hooks_vs_peer, '.2f')}x)"
+        )
     if args.json is not None:
         payload = {"setup": setup, "saved_tensors": saved, "results": [asdict(r) for r in results]}
         args.json.write_text(json.dumps(payload, indent=2))

@@ -30,14 +30,25 @@ Bytes restored for a saved tensor are released when autograd releases the saved 
 
 [Note: the cost of the hooks]
 Both hooks run for every saved tensor, thousands of times a step in a large model, so their Python cost
-is a cost per step (``benchmarks/offload_overhead.py`` measures it against ``save_on_cpu``). A region
-at ratio 0 never offloads (the selection takes nothing when its target is 0), so it installs a leaner
-pair: pack notes the span in a list (one append, no lock) and returns the tensor detached, unpack
-returns it, and the noted spans are counted when the region exits, by the same rule as at any other
-ratio: the statistics and the measurement for the next entry's plan are the same. At other ratios a
-resident tensor's handle is a plain ``(seq, tensor)`` tuple, and its unpack takes the lock only while
-copies are left to retire or prefetch. The checks that decide whether a tensor counts run cheapest
-first.
+is a cost per step (``benchmarks/offload_overhead.py`` measures it against ``save_on_cpu``).
+- A handle detaches only a tensor that owns a graph node (requires grad, not a leaf): holding the
+  tensor itself would hold its node, which holds the handle, a cycle through autograd's C++ that the
+  garbage collector cannot see (``save_on_cpu``'s CPU pack returns the tensor and leaks a saved output
+  whose graph is dropped unused). A parameter (a leaf) or a tensor that does not require grad owns no
+  node: it is its own handle, and a parameter is rejected before any other check. Detaching is the
+  dearest step of a pack; a plain tensor is detached with ``.data``, a third cheaper than ``detach()``
+  (no dispatcher call). The two differ only in the version counter, which ``.data`` does not share:
+  autograd checks no versions of tensors that went through saved-tensor hooks, so none is read.
+- A region at ratio 0 never offloads (the selection takes nothing when its target is 0), so it
+  installs a leaner pair: pack, a closure, notes the span in a dict under its key (one ``setdefault``,
+  no lock: saves of a span seen before add nothing) and returns the handle, unpack returns it, and the
+  noted spans are summed when the region exits, by the same rule as at any other ratio: the statistics
+  and the measurement for the next entry's plan are the same. Nothing in it touches a device: no
+  event, stream, synchronization or host buffer per saved tensor.
+- At other ratios a resident tensor's handle is a plain ``(seq, tensor)`` tuple, and its unpack takes
+  the lock only while copies are left to retire or prefetch.
+- The checks that decide whether a tensor counts run cheapest and most decisive first (a view of a
+  parameter ends at its ``_base``).
 """
 
 from __future__ import annotations
@@ -64,6 +75,8 @@ DEFAULT_MIN_BYTES = 1 << 20  # below 1 MiB a copy is latency, not bandwidth: kee
 DEFAULT_INFLIGHT_BYTES = 512 << 20
 DEFAULT_PREFETCH_BYTES = 512 << 20
 _STRIDED = torch.strided
+_TENSOR = torch.Tensor
+_PARAMETER = nn.Parameter
 
 
 @dataclass(frozen=True)
@@ -138,15 +151,18 @@ _Seen = tuple[weakref.ref, _Stored | None]
 def _span_of(t: torch.Tensor, cpu_too: bool) -> tuple[torch.UntypedStorage, int, int] | None:
     """(storage, first byte, byte count) that ``t`` adds to the region; None: not counted, never copied.
 
-    The span is the whole storage unless ``t`` covers under half of it. Checks run cheapest first.
+    ``t`` is not a leaf that requires grad (both pack hooks keep those before asking). The span is the
+    whole storage unless ``t`` covers under half of it. Checks run cheapest first.
     """
-    if not ((cpu_too and t.is_cpu) or t.is_cuda) or type(t) is not torch.Tensor or t.layout is not _STRIDED:
+    if not ((cpu_too and t.is_cpu) or t.is_cuda):
+        return None
+    base = t._base  # views of parameters stay resident too (first: they are common, and this ends them)
+    if base is not None and _parameter_like(base):
         return None
     # _parameter_like(t), spelled out for a plain tensor: this runs for every saved tensor
-    if t.is_conj() or t.is_neg() or getattr(t, "_is_param", False) or (t.requires_grad and t.is_leaf):
+    if type(t) is not _TENSOR or t.layout is not _STRIDED or t.is_conj() or t.is_neg():
         return None
-    base = t._base  # views of parameters stay resident too
-    if base is not None and _parameter_like(base):
+    if getattr(t, "_is_param", False):
         return None
     if t.is_contiguous():  # the extent is the element count (empty tensors are contiguous)
         nbytes = t.nbytes
@@ -162,10 +178,12 @@ def _span_of(t: torch.Tensor, cpu_too: bool) -> tuple[torch.UntypedStorage, int,
 
 def _parameter_like(x: torch.Tensor) -> bool:
     """A parameter, or a leaf that requires grad: resident whatever we do."""
+    if x.requires_grad and x.is_leaf:  # first: a trainable parameter ends here
+        return True
     # For a plain tensor, ``isinstance(x, nn.Parameter)`` is the ``_is_param`` flag its metaclass reads
     # (read directly here: the metaclass check is the most expensive step of a pack).
-    flagged = getattr(x, "_is_param", False) if type(x) is torch.Tensor else isinstance(x, nn.Parameter)
-    return bool(flagged) or (x.requires_grad and x.is_leaf)
+    cls = type(x)
+    return cls is _PARAMETER or bool(getattr(x, "_is_param", False) if cls is _TENSOR else isinstance(x, nn.Parameter))
 
 
 def _intact(source: torch.Tensor, ptr: int) -> bool:
@@ -174,9 +192,41 @@ def _intact(source: torch.Tensor, ptr: int) -> bool:
     return source.untyped_storage().nbytes() >= end and source.data_ptr() == ptr
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its graph node (see [Note: the cost of the hooks])."""
+    return t.data if type(t) is _TENSOR else t.detach()
+
+
 def _keep(handle: torch.Tensor) -> torch.Tensor:
     """The unpack hook of a region that offloads nothing: its handles are the tensors."""
     return handle
+
+
+_Key = tuple[int, int, int, int]  # (id of the storage's weak reference, address, first byte, byte count)
+
+
+def _counting_pack(kept: dict[_Key, weakref.ref], cpu_too: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The pack hook of a region that offloads nothing: keeps ``t``, notes its span in ``kept`` (once).
+
+    A closure over locals, not a method: it runs for every saved tensor (see [Note: the cost of the hooks]).
+    """
+    ref_of = weakref.ref
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad:
+            if t.is_leaf:
+                return t  # a parameter: not counted, and it owns no graph node
+            handle = t.data if type(t) is _TENSOR else t.detach()  # see [Note: the cost of the hooks]
+        else:
+            handle = t  # no graph node to own
+        span = _span_of(t, cpu_too)
+        if span is not None:
+            storage, start, nbytes = span
+            ref = ref_of(storage)  # see [Note: recognising a span]
+            kept.setdefault((id(ref), storage.data_ptr(), start, nbytes), ref)  # atomic: no lock
+        return handle
+
+    return pack
 
 
 class _Run:
@@ -187,13 +237,12 @@ class _Run:
         self.clock = CopyClock()
         self._lock = threading.RLock()
         self._seq = 0
-        self._seen: dict[tuple[int, int, int, int], _Seen] = {}
-        self._kept: list[tuple[weakref.ref, int, int, int]] = []  # spans pack_kept noted, counted at the end
+        self._seen: dict[_Key, _Seen] = {}
+        self._kept: dict[_Key, weakref.ref] = {}  # spans the ratio-0 pack noted, counted at the end
         self._transfers: dict[torch.device, Transfer] = {}
         self._planned = record.candidate_sizes
-        self._plan = (
-            None if self._planned is None else plan_offload(self._planned, record.bytes_saved, options.offload_ratio)
-        )
+        planless = self._planned is None or options.offload_ratio == 0  # ratio 0 counts at exit, with no plan
+        self._plan = None if planless else plan_offload(self._planned, record.bytes_saved, options.offload_ratio)
         self._streaming = StreamingSelector(options.offload_ratio)
         self.sizes: list[int] = []  # candidate sizes seen, in save order: the next entry's plan
         self.bytes_saved = self.bytes_offloaded = self.tensors_saved = self.tensors_offloaded = 0
@@ -206,7 +255,7 @@ class _Run:
     def hooks(self) -> tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor]]:
         """(pack, unpack). At ratio 0 nothing is ever offloaded: the pair that only counts."""
         if self.options.offload_ratio == 0:
-            return self.pack_kept, _keep
+            return _counting_pack(self._kept, self.options.force_copy), _keep
         return self.pack, self.unpack
 
     # -- forward ------------------------------------------------------------------------------------
@@ -215,20 +264,14 @@ class _Run:
         with self._lock:
             seq = self._seq
             self._seq = seq + 1
+            if t.requires_grad and t.is_leaf:
+                return seq, t  # a parameter: not counted, and it owns no graph node
             span = _span_of(t, self.options.force_copy)
             stored = None if span is None else self._copy_of(t, span, seq)
             if stored is None:
-                return seq, t.detach()
+                return seq, _detached(t) if t.requires_grad else t  # a handle must not own t's graph node
             stored.handles += 1
             return _Offloaded(self, stored, seq, t, t.storage_offset() * t.element_size() - span[1])
-
-    def pack_kept(self, t: torch.Tensor) -> torch.Tensor:
-        """The pack hook at ratio 0: notes ``t``'s span for ``finish`` to count, and keeps ``t``."""
-        span = _span_of(t, self.options.force_copy)
-        if span is not None:
-            storage, start, nbytes = span
-            self._kept.append((weakref.ref(storage), storage.data_ptr(), start, nbytes))  # atomic: no lock
-        return t.detach()
 
     def _copy_of(self, t: torch.Tensor, span: tuple[torch.UntypedStorage, int, int], seq: int) -> _Stored | None:
         """The copy of ``t``'s span, or None to keep ``t`` resident; a span seen the first time is counted."""
@@ -263,14 +306,13 @@ class _Run:
         return nbytes >= self.options.min_bytes and self._choose(len(self.sizes), nbytes)
 
     def _count_kept(self) -> None:
-        """Counts the spans ``pack_kept`` noted, each once (see [Note: recognising a span]), in save order."""
-        counted = set()
-        for ref, ptr, start, nbytes in self._kept:
-            key = (id(ref), ptr, start, nbytes)
-            if key not in counted:
-                counted.add(key)
-                self._count(nbytes)  # False: the selection takes nothing at ratio 0
+        """Counts the spans the ratio-0 pack noted, each once, in save order: what ``_count`` does at ratio 0,
+        where the selection takes nothing (so only the candidate sizes are kept for the plan)."""
+        sizes = [key[3] for key in self._kept]
         self._kept.clear()
+        self.bytes_saved += sum(sizes)
+        self.tensors_saved += len(sizes)
+        self.sizes += [n for n in sizes if n >= self.options.min_bytes]
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int, seq: int) -> _Stored:
         """Starts the copy out of a span; bounds the device bytes still waiting for theirs."""

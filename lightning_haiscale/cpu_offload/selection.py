@@ -26,6 +26,8 @@ __all__ = ["StreamingSelector", "check_ratio", "plan_offload"]
 def check_ratio(offload_ratio: float) -> float:
     """``offload_ratio`` as a float; ``TypeError`` unless it is a real number (a string or a bool is not, though
     ``float()`` would take them), ``ValueError`` when it is outside [0, 1]."""
+    if type(offload_ratio) is float and 0.0 <= offload_ratio <= 1.0:  # the common case, without the ABC check
+        return offload_ratio
     if isinstance(offload_ratio, bool) or not isinstance(offload_ratio, numbers.Real):
         raise TypeError(
             f"offload_ratio={offload_ratio!r} ({type(offload_ratio).__name__}) must be a number between 0 and 1, "

@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks import offload_overhead
 
-SMOKE = ["--warmup", "1", "--steps", "2", "--layers", "2"]
+SMOKE = ["--warmup", "1", "--steps", "2", "--layers", "2", "--hook-repeats", "2"]
 COLUMNS = ("no hooks", "ratio 0", "ratio 0 force_copy", "ratio 0.3 force_copy", "save_on_cpu")
 
 
@@ -23,6 +23,8 @@ def test_smoke_run_writes_table_and_json(model, tmp_path, capsys):
     assert results["ratio 0 force_copy"]["achieved_ratio"] == 0.0
     assert 0.0 < results["ratio 0.3 force_copy"]["achieved_ratio"] < 1.0
     assert results["no hooks"]["overhead_us_per_tensor"] is None
+    assert results["no hooks"]["hooks_us_per_tensor"] is None  # the hooks-alone table: every hooked column
+    assert all(results[name]["hooks_us_per_tensor"] is not None for name in COLUMNS[1:])
 
 
 def test_overheads_are_per_saved_tensor_and_relative_to_save_on_cpu():
@@ -37,7 +39,7 @@ def test_overheads_are_per_saved_tensor_and_relative_to_save_on_cpu():
     assert "3.00x" in table and "10.00" in table
 
 
-@pytest.mark.parametrize("bad", [["--steps", "0"], ["--model", "resnet"]])
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--model", "resnet"], ["--hook-repeats", "0"]])
 def test_bad_arguments_exit(bad):
     with pytest.raises(SystemExit):
         offload_overhead.parse_args(bad)

@@ -6,7 +6,9 @@ rebuilds every saved view with its own layout, so gradients must be bitwise equa
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -389,3 +391,65 @@ def test_each_offloaded_span_is_copied_out_once_and_its_buffer_returned(gpt, mon
         stats = region.stats()
         assert len(copies) == stats.tensors_offloaded > 0
         assert sum(len(free) for free in pool._free.values()) == stats.tensors_offloaded  # all back, reused
+
+
+def _installed_pack():
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)[0]
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_handles_detach_only_tensors_that_own_a_graph_node(ratio):
+    """A parameter and a tensor that needs no grad are their own handles; an activation's is detached."""
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(8, 8)
+    y = x @ p
+    with CPUOffload(ratio, min_bytes=1 << 30, force_copy=True) as region:  # resident: handles are the tensors
+        pack = _installed_pack()
+        handles = [pack(t) for t in (p, x, y)]
+    if ratio:  # the general path's resident handle is (save order, tensor)
+        handles = [h[1] for h in handles]
+    assert handles[0] is p and handles[1] is x
+    assert handles[2] is not y and handles[2].grad_fn is None and handles[2].data_ptr() == y.data_ptr()
+    assert region.stats().tensors_saved == 2  # x and y; the parameter is not counted
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_a_saved_output_is_freed_with_its_dropped_graph(ratio):
+    """exp saves its own output: a handle holding that tensor undetached would be a cycle, never freed."""
+    x = torch.randn(64, 64, requires_grad=True)
+    with CPUOffload(ratio, min_bytes=0, force_copy=True):
+        y = x.exp()
+    alive = weakref.ref(y)
+    del y
+    gc.collect()
+    assert alive() is None
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_frozen_parameters_and_their_views_do_not_count_buffers_do(ratio):
+    frozen = torch.nn.Parameter(torch.randn(16, 16), requires_grad=False)
+    buffer = torch.randn(4, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with CPUOffload(ratio, min_bytes=0, force_copy=True) as region:
+        loss = (((x @ frozen.t()) * buffer) * frozen[0]).sum()  # saves frozen.t(), buffer, frozen[0]
+    stats = region.stats()
+    assert (stats.tensors_saved, stats.bytes_saved) == (1, buffer.nbytes)
+    loss.backward()
+    got, x.grad = x.grad, None
+    (((x @ frozen.t()) * buffer) * frozen[0]).sum().backward()
+    assert torch.equal(got, x.grad)
+
+
+def test_ratio_0_spans_of_views_are_the_general_paths():
+    """The span rule on strided, overlapping (expanded) and transposed views, at ratio 0 and at ratio 1."""
+    big, small = torch.randn(1000, 64), torch.randn(100)
+    w, u, v = (torch.randn(*shape, requires_grad=True) for shape in ((64, 8), (1000, 2), (10,)))
+    measured = []
+    for ratio in (0.0, 1.0):
+        with CPUOffload(ratio, min_bytes=0, force_copy=True) as region:
+            loss = (big[600:620, ::2] @ w[::2]).sum() + (big.t()[:8] @ u).sum()  # a strided slice, 8 columns
+            loss = loss + (small[:10].expand(10, 10) * v).sum()  # an overlapping view: its extent is 10 elements
+        stats = region.stats()
+        measured.append((stats.tensors_saved, stats.bytes_saved))
+        loss.backward()
+    assert measured[0] == measured[1] == (3, (19 * 64 + 63) * 4 + big.nbytes + 10 * 4)
