@@ -75,8 +75,12 @@ def run_one(run: Run, logs: Path) -> list[dict]:
         print(f"{run.name}: failed (exit {proc.returncode}); see {log}", file=sys.stderr)
         return []
     data = json.loads(out.read_text())
-    converters = {"allreduce": allreduce_rows, "offload_hooks": offload_hook_rows}
-    return converters[run.name](data) if run.name in converters else data["rows"]
+    converters = {"allreduce": allreduce_rows, "offload_hooks": offload_hook_rows, "offload": offload_gpu_rows}
+    try:
+        return converters[run.name](data) if run.name in converters else data["rows"]
+    except (KeyError, IndexError, TypeError, ZeroDivisionError) as error:  # one benchmark's new shape: keep the rest
+        print(f"{run.name}: could not read {out} ({error!r}); its rows are left out", file=sys.stderr)
+        return []
 
 
 _PEERS = {"gloo": "gloo", "deepspeed": "DeepSpeed shm"}  # a size row's "<peer>_s" column -> its name here
@@ -127,6 +131,20 @@ def offload_hook_rows(data: dict) -> list[dict]:
          "ours": "CPUOffload", "peer": "save_on_cpu", "metric": "tensors/µs of hook time",
          "ours_value": 1 / ours, "peer_value": 1 / peer}
     ]  # fmt: skip
+
+
+def offload_gpu_rows(data: dict) -> list[dict]:
+    """The GPU offload benchmark's step speed: ratio 0 against no offload (the hooks' cost when nothing moves)
+    and ratio 1 against ``save_on_cpu`` (everything moved), as steps/s. A column that failed is left out."""
+    speed = {r["name"]: 1000 / r["step_ms"] for r in data["results"] if r["step_ms"] == r["step_ms"]}  # not NaN
+    model = data["setup"].split("), ")[0] + ")" if "), " in data["setup"] else data["setup"]  # "GPT config=... (...)"
+    rows = []
+    for ours, peer in (("ratio 0", "no offload"), ("ratio 1", "save_on_cpu")):
+        if ours in speed and peer in speed:
+            rows.append({"technique": "CPU offload (GPU)", "config": f"{model}, {ours}",
+                         "ours": f"CPUOffload {ours}", "peer": peer, "metric": "steps/s",
+                         "ours_value": speed[ours], "peer_value": speed[peer]})  # fmt: skip
+    return rows
 
 
 def ratio(row: dict) -> float:

@@ -119,3 +119,22 @@ def test_chart_has_a_title_the_machine_line_ceilings_and_no_peer_bars() -> None:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_gpu_offload_rows_from_its_json() -> None:
+    """offload_gpu.py writes its columns, not rows: ratio 0 against no offload, ratio 1 against save_on_cpu."""
+    data = {
+        "setup": "GPT config=medium (355M parameters, vocab 50257), batch 8, context 1024",
+        "results": [
+            {"name": "no offload", "step_ms": 75.5},
+            {"name": "ratio 0", "step_ms": 93.3},
+            {"name": "ratio 0.25", "step_ms": 133.4},
+            {"name": "ratio 1", "step_ms": 378.5},
+            {"name": "save_on_cpu", "step_ms": float("nan")},  # failed (out of memory): no row
+        ],
+    }
+    rows = report.offload_gpu_rows(data)
+    assert [(r["ours"], r["peer"], round(report.ratio(r), 2)) for r in rows] == [
+        ("CPUOffload ratio 0", "no offload", 0.81)
+    ]
+    assert rows[0]["config"] == "GPT config=medium (355M parameters, vocab 50257), ratio 0"
