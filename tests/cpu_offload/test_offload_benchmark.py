@@ -18,6 +18,8 @@ def test_smoke_run_on_cpu_writes_table_and_json(tmp_path, capsys):
     header = next(line for line in out.splitlines() if line.lstrip().startswith("|"))
     for column in ("no offload", "ratio 0", "ratio 0.25", "ratio 0.5", "ratio 1", "save_on_cpu"):
         assert column in header
+    assert "step, columns alternating (ms)" in out and "host time backward (ms)" in out
+    assert "target ratio 0 within 5% of no offload (columns alternating)" in out
     payload = json.loads((tmp_path / "r.json").read_text())
     ratios = {r["name"]: r["achieved_ratio"] for r in payload["results"]}
     assert ratios["ratio 1"] == 1.0 and ratios["ratio 0"] == 0.0 and ratios["no offload"] is None
@@ -32,6 +34,12 @@ def test_table_reports_cut_and_targets():
     assert "activation cut (%)" in table and "50.0" in table and "1.10x" in table
     lines = offload_gpu.target_lines([base, half, full, peer])
     assert lines[0].endswith("True") and "2.00x" in lines[1] and lines[1].endswith("True")
+    zero = offload_gpu.Result("ratio 0", 106.0)
+    base.alternating_step_ms, zero.alternating_step_ms = 100.0, 104.0  # the alternating pass decides
+    assert offload_gpu.target_lines([base, zero])[0].endswith("(columns alternating): 1.040x: True")
+    zero.alternating_step_ms = None
+    assert offload_gpu.target_lines([base, zero])[0].endswith("(sequential pass): 1.060x: False")
+    assert "1.04x" in offload_gpu.format_table([base, offload_gpu.Result("ratio 0", 106.0, alternating_step_ms=104.0)])
 
 
 @pytest.mark.parametrize("bad", [["--ratios", "0.5,1.5"], ["--steps", "0"]])

@@ -453,3 +453,17 @@ def test_ratio_0_spans_of_views_are_the_general_paths():
         measured.append((stats.tensors_saved, stats.bytes_saved))
         loss.backward()
     assert measured[0] == measured[1] == (3, (19 * 64 + 63) * 4 + big.nbytes + 10 * 4)
+
+
+def test_ratio_0_does_no_device_work_per_saved_tensor(gpt, monkeypatch):
+    """At ratio 0 the hooks never reach a copy, a stream, an event or a host buffer (all live in those)."""
+    model, idx, targets = gpt
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ratio 0 reached the copy machinery")
+
+    monkeypatch.setattr(region_module._Run, "_transfer", refuse)
+    monkeypatch.setattr(PinnedBufferPool, "acquire", refuse)
+    region = CPUOffload(0.0, _tag(), min_bytes=0, force_copy=True)
+    _assert_bitwise_equal(_grads(model, idx, targets, region), _grads(model, idx, targets))
+    assert region.stats().tensors_saved > 0
