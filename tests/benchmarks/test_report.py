@@ -17,14 +17,14 @@ def test_rows_and_summary_from_benchmark_json() -> None:
     hooks = {
         "saved_tensors": 109,
         "results": [
-            {"name": "no hooks", "overhead_us_per_tensor": None},
-            {"name": "ratio 0 force_copy", "overhead_us_per_tensor": 4.0},
-            {"name": "save_on_cpu", "overhead_us_per_tensor": 2.0},
+            {"name": "no hooks", "overhead_us_per_tensor": None, "hooks_us_per_tensor": None},
+            {"name": "ratio 0 force_copy", "overhead_us_per_tensor": 4.0, "hooks_us_per_tensor": 1.0},
+            {"name": "save_on_cpu", "overhead_us_per_tensor": 2.0, "hooks_us_per_tensor": 1.25},
         ],
     }
     rows = report.allreduce_rows(allreduce) + report.offload_hook_rows(hooks)
     ratios = [r["ours_value"] / r["peer_value"] for r in rows]
-    assert [round(x, 6) for x in ratios] == [100.0, 8.0, 16.0, 0.5]
+    assert [round(x, 6) for x in ratios] == [100.0, 8.0, 16.0, 0.5, 1.25]  # the hooks: in the step, then alone
     block = report.summary(rows, "python benchmarks/report.py")
     assert block.startswith(report.BEGIN) and block.endswith(report.END)
     assert "| 100.00x |" in block and "| 0.50x |" in block and "109 saved tensors" in block
