@@ -127,7 +127,7 @@ def test_gpu_offload_rows_from_its_json() -> None:
         "setup": "GPT config=medium (355M parameters, vocab 50257), batch 8, context 1024",
         "results": [
             {"name": "no offload", "step_ms": 75.5},
-            {"name": "ratio 0", "step_ms": 93.3},
+            {"name": "ratio 0", "step_ms": 100.0},
             {"name": "ratio 0.25", "step_ms": 133.4},
             {"name": "ratio 1", "step_ms": 378.5},
             {"name": "save_on_cpu", "step_ms": float("nan")},  # failed (out of memory): no row
@@ -135,6 +135,9 @@ def test_gpu_offload_rows_from_its_json() -> None:
     }
     rows = report.offload_gpu_rows(data)
     assert [(r["ours"], r["peer"], round(report.ratio(r), 2)) for r in rows] == [
-        ("CPUOffload ratio 0", "no offload", 0.81)
+        ("CPUOffload ratio 0", "no offload", 0.76)  # not every column ran in turns: the first pass, 75.5 / 100
     ]
+    for r in data["results"]:
+        r["alternating_step_ms"] = 93.3 if r["name"] == "ratio 0" else r["step_ms"]
+    assert round(report.ratio(report.offload_gpu_rows(data)[0]), 2) == 0.81
     assert rows[0]["config"] == "GPT config=medium (355M parameters, vocab 50257), ratio 0"
