@@ -11,7 +11,11 @@ load from other processes hits them alike:
 - ``ratio 0 force_copy``: ``CPUOffload(0, force_copy=True)``, every saved activation counted and none
   copied: on CPU, what ratio 0 costs on a GPU;
 - ``ratio 0.3 force_copy``: ``CPUOffload(0.3, force_copy=True, min_bytes=0)``, copies included;
-- ``save_on_cpu``: ``save_on_cpu()``, which on CPU copies nothing: the cost of a minimal pack/unpack pair.
+- ``save_on_cpu``: ``save_on_cpu()``, which on CPU copies nothing: the cost of a minimal pack/unpack pair;
+- ``detach only``: a pack that returns ``t.detach()`` and an unpack that returns it: the least a pair
+  that does not leak costs. ``save_on_cpu``'s CPU pack returns the tensor itself, so a saved output
+  (``exp``, ``softmax``, ...) whose graph is dropped unused is never freed (its handle and its graph
+  node hold each other through autograd's C++); a pair that detaches pays for it.
 
 Reported per column: step time (median), the overhead per saved tensor ((step - no hooks) / the number
 of pack hook calls of one step), and that overhead over save_on_cpu's. A second table times the hooks
@@ -98,7 +102,16 @@ def columns() -> list[tuple[str, Callable[[], Any]]]:
         ("ratio 0 force_copy", lambda: CPUOffload(0.0, "overhead-0-copy", force_copy=True)),
         ("ratio 0.3 force_copy", lambda: CPUOffload(0.3, "overhead-0.3-copy", force_copy=True, min_bytes=0)),
         (PEER, torch.autograd.graph.save_on_cpu),
+        ("detach only", lambda: torch.autograd.graph.saved_tensors_hooks(_detach, _identity)),
     ]
+
+
+def _detach(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def saved_tensors(loss_fn: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
@@ -138,7 +151,7 @@ def measure_hooks(results: Sequence[Result], saved: Sequence[torch.Tensor], repe
     made = dict(columns())
 
     def identity() -> Any:
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
 
     base = time_hooks(identity, saved, repeats)
     for r in results[1:]:
