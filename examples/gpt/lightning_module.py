@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
@@ -12,7 +13,22 @@ from torchmetrics.text import Perplexity
 
 from examples.gpt.model import GPT, GPTConfig, config, lm_loss
 
-__all__ = ["GPTLightningModule"]
+__all__ = ["GPTLightningModule", "decay_groups"]
+
+
+def decay_groups(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: weight decay on the matrices and embeddings, none on biases and LayerNorms.
+
+    nanoGPT picks the matrices by shape (``p.dim() >= 2``). Here they are picked by name, because a sharding
+    strategy hands the optimizer flat 1-D pieces under the original names (hai_fsdp: see
+    ``FullyShardedDataParallel`` [Note: what the optimizer sees]): a name gives the same groups under every
+    strategy, a shape does not.
+    """
+    decay, no_decay = [], []
+    for name, param in named_parameters:
+        (no_decay if name.endswith(".bias") or ".ln_" in name else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 class GPTLightningModule(L.LightningModule):
@@ -26,7 +42,7 @@ class GPTLightningModule(L.LightningModule):
         cfg: the model configuration: a config name (``"tiny"``, ``"small"``, ``"medium"``), a ``GPTConfig``
             such as ``config("tiny", n_layer=2)``, or its fields as a dict (from a checkpoint).
         lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
+        weight_decay: AdamW weight decay of the matrices and embeddings (see :func:`decay_groups`).
     """
 
     flops_per_batch: int | None = None  # read by Lightning's ThroughputMonitor; None: no FLOPs figure
@@ -71,6 +87,5 @@ class GPTLightningModule(L.LightningModule):
         self.log("val_ppl", self.val_ppl, prog_bar=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # One parameter group: a sharding strategy may hand us flat 1-D shards instead of the original
-        # tensors, and per-shape groups (no decay on biases) would then differ between strategies.
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=self.weight_decay)
+        groups = decay_groups(self.named_parameters(), self.weight_decay)
+        return torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))

@@ -29,14 +29,6 @@ from lightning_haiscale.fabric.shared import NoSyncControl, Sharded
 from lightning_haiscale.fsdp import (
     BackwardPrefetch,
     FullyShardedDataParallel,
-    full_optim_state_dict,
-    full_state_dict,
-    load_full_optim_state_dict,
-    load_full_state_dict,
-    load_sharded_optim_state_dict,
-    load_sharded_state_dict,
-    sharded_optim_state_dict,
-    sharded_state_dict,
 )
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
@@ -168,9 +160,9 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
         full = {}
         for name, value in state.items():
             if isinstance(value, FullyShardedDataParallel):
-                full[name] = full_state_dict(value)
+                full[name] = value.full_state_dict()
             elif isinstance(value, Optimizer):
-                full[name] = full_optim_state_dict(model, value)
+                full[name] = model.full_optim_state_dict(value)
             else:
                 full[name] = value.state_dict() if hasattr(value, "state_dict") else value
         if self.is_global_zero:
@@ -182,8 +174,8 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
     ) -> None:
         optimizers = [name for name, value in state.items() if isinstance(value, Optimizer)]
         module = next(name for name, value in state.items() if value is model)
-        shards = [sharded_optim_state_dict(model, state[name]) for name in optimizers]
-        save_dcp(folder, sharded_state_dict(model), shards, model.comm.group)
+        shards = [model.sharded_optim_state_dict(state[name]) for name in optimizers]
+        save_dcp(folder, model.sharded_state_dict(), shards, model.comm.group)
         rest = {
             name: value.state_dict() if hasattr(value, "state_dict") else value
             for name, value in state.items()
@@ -207,17 +199,17 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
             checkpoint = dict(self.checkpoint_io.load_checkpoint(path / _META_FILE, weights_only=weights_only))
             names = checkpoint.pop(_NAMES)
             model_shard, optim_shards = load_dcp(path, model, len(names["optimizers"]), strict=strict)
-            load_sharded_state_dict(model, [model_shard], strict=strict)
+            model.load_sharded_state_dict([model_shard], strict=strict)
             for name, shard in zip(names["optimizers"], optim_shards, strict=True):
                 if isinstance(state.get(name), Optimizer):
-                    load_sharded_optim_state_dict(model, state[name], [shard])
+                    model.load_sharded_optim_state_dict(state[name], [shard])
         else:
             checkpoint = dict(self.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
             for name, value in state.items():
                 if isinstance(value, FullyShardedDataParallel):
-                    load_full_state_dict(value, checkpoint.pop(name), strict=strict)
+                    value.load_full_state_dict(checkpoint.pop(name), strict=strict)
                 elif isinstance(value, Optimizer):
-                    load_full_optim_state_dict(model, value, checkpoint.pop(name))
+                    model.load_full_optim_state_dict(value, checkpoint.pop(name))
         for name, value in state.items():
             if isinstance(value, FullyShardedDataParallel | Optimizer) or name not in checkpoint:
                 continue

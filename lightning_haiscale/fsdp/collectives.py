@@ -8,14 +8,23 @@ from __future__ import annotations
 
 import torch
 
+from lightning_haiscale.fsdp.layout import UnitLayout
 from lightning_haiscale.hfreduce import Communicator, Work
 
-__all__ = ["all_gather_shards", "reduce_scatter_grads"]
+__all__ = ["all_gather_shards", "gather_unit", "reduce_scatter_grads"]
 
 
 def all_gather_shards(comm: Communicator, full: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Work | None:
     """Fills ``full`` (world x shard elements) with every rank's ``shard`` in rank order."""
     return comm.all_gather(full, shard, async_op=async_op)
+
+
+def gather_unit(comm: Communicator, unit: UnitLayout, flat_shard: torch.Tensor) -> torch.Tensor:
+    """A fresh unsharded flat buffer of ``unit`` holding every rank's ``flat_shard`` (parameters or an
+    optimizer state laid out like them), in the shard's dtype and device."""
+    full = torch.empty(unit.padded_numel, dtype=flat_shard.dtype, device=flat_shard.device)
+    all_gather_shards(comm, full, flat_shard.contiguous(), async_op=False)
+    return full
 
 
 def reduce_scatter_grads(comm: Communicator, shard_grad: torch.Tensor, full_grad: torch.Tensor) -> Work:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,10 +30,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from lightning_haiscale.fsdp.state_dict import SHARDED_FORMAT, sharded_state_dict
-
-if TYPE_CHECKING:
-    from lightning_haiscale.fsdp.fully_sharded import FullyShardedDataParallel
+from lightning_haiscale.fsdp.fully_sharded import FullyShardedDataParallel
+from lightning_haiscale.fsdp.layout import SHARDED_FORMAT
 
 __all__ = ["FlatPiece", "boxes", "is_dcp_folder", "load_dcp", "save_dcp"]
 
@@ -147,8 +145,9 @@ def _is_piece(value: Any, numel: int) -> bool:
 def save_dcp(
     path: str | Path, model_shard: Mapping[str, Any], optim_shards: Sequence[Mapping[str, Any]], group: Any = None
 ) -> None:
-    """Writes this rank's model and optimizer shards (``sharded_state_dict`` / ``sharded_optim_state_dict``)
-    into the DCP folder ``path``. Collective over ``group``."""
+    """Writes this rank's model and optimizer shards (``model.sharded_state_dict()`` /
+    ``model.sharded_optim_state_dict(optimizer)``) into the DCP folder ``path``. Collective over ``group``
+    (``model.comm.group``)."""
     state = {
         "state_dict": {**_pieces_of(model_shard), **model_shard["buffers"]},
         "optimizer_states": [_optim_pieces(shard) for shard in optim_shards],
@@ -160,9 +159,10 @@ def load_dcp(
     path: str | Path, model: FullyShardedDataParallel, num_optimizers: int, strict: bool = True
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """This rank's model shard and optimizer shards read from the DCP folder ``path`` (written at any world
-    size), in the format ``load_sharded_state_dict`` and ``load_sharded_optim_state_dict`` take. Collective."""
+    size), in the format ``model.load_sharded_state_dict`` and ``model.load_sharded_optim_state_dict`` take.
+    Collective."""
     metadata = FileSystemReader(path).read_metadata()
-    mine = sharded_state_dict(model)
+    mine = model.sharded_state_dict()
     layout = {fqn: {**where, "numel": mine["tensors"][fqn].numel()} for fqn, where in mine["layout"].items()}
     state: dict[str, Any] = {"state_dict": {**_pieces_of(mine), **mine["buffers"]}}
     optimizers = [_optim_template(metadata, layout, i) for i in range(num_optimizers)]

@@ -16,7 +16,7 @@ All ranks must run the same units in the same order, as with torch FSDP.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any
@@ -29,12 +29,19 @@ from lightning_haiscale.clip_grad import clip_grad_norm_
 from lightning_haiscale.fsdp.api import BackwardPrefetch, MixedPrecision, StateDictType
 from lightning_haiscale.fsdp.arrival import ArrivalCheck
 from lightning_haiscale.fsdp.deferred_init import materialize_unit
+from lightning_haiscale.fsdp.layout import ShardLayout
+from lightning_haiscale.fsdp.optim_state import (
+    gather_full_optim_state,
+    load_full_optim_state,
+    load_local_optim_states,
+    local_optim_state,
+)
 from lightning_haiscale.fsdp.param_group import FSDPParamGroup, ShardState
 from lightning_haiscale.fsdp.state_dict import (
-    full_state_dict,
-    load_full_state_dict,
-    load_sharded_state_dict,
-    sharded_state_dict,
+    gather_full_state,
+    load_full_state,
+    load_local_states,
+    local_state,
     summoned_state_dict,
 )
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy, assign_params, unit_modules, unit_scopes
@@ -48,6 +55,29 @@ class FullyShardedDataParallel(nn.Module):
     """Shards ``module``'s parameters, gradients and optimizer state over the ranks of ``process_group``.
 
     Build the optimizer after wrapping, from ``model.parameters()``: it sees only this rank's pieces.
+
+    [Note: what the optimizer sees]
+    Each original parameter is replaced by its *piece*: a 1-D ``nn.Parameter`` holding the elements of the
+    flattened parameter that lie in this rank's shard (possibly none), under the original name. What that
+    costs a user:
+
+    - A rule by shape (nanoGPT's "decay tensors with ``p.dim() >= 2``") sees 1-D pieces and goes wrong.
+      Select by name (``named_parameters()`` keeps the original names, so the same rule gives the same
+      groups under every strategy) or, where the shape is really needed, by ``model.layout`` (each
+      parameter's name, shape and slice). ``examples/gpt/lightning_module.py`` shows the by-name mask.
+    - Parameter groups may split a unit's parameters as they like (each piece is its own parameter), but a
+      piece can be empty, and per-element state is kept only for pieces: optimizers whose state is not
+      elementwise (Shampoo, Adafactor's factored moments, LARS's per-tensor norm) compute it per piece, not
+      per parameter; use them with one unit per parameter or not at all.
+    - All the parameters of one unit share one dtype (one flat shard): parameters of another dtype go into a
+      unit of their own (``auto_wrap_policy``).
+    - Optimizer state dicts are keyed by parameter name (see ``optim_state``), not by position.
+
+    Checkpoints: one method per operation, collective ones checked for every rank's arrival (see [Note: why
+    an arrival check]): :meth:`full_state_dict`, :meth:`sharded_state_dict`, :meth:`load_full_state_dict`,
+    :meth:`load_sharded_state_dict`, the same four for an optimizer (:meth:`full_optim_state_dict`, ...), and
+    ``state_dict()`` / ``load_state_dict()`` per :meth:`state_dict_type`. ``fsdp.dcp`` writes and reads the
+    sharded forms as a ``torch.distributed.checkpoint`` folder.
 
     Args:
         module: the model; parameters may be on the meta device (materialized unit by unit, see
@@ -93,7 +123,13 @@ class FullyShardedDataParallel(nn.Module):
         self._groups = self._build_groups(units, param_init_fn)
         self._root_group = self._groups.get(module)
         self._named_pieces = list(module.named_parameters(remove_duplicate=False))
-        self._state_dict_keys = list(module.state_dict(keep_vars=True).keys())
+        self.layout = ShardLayout(
+            units=tuple(group.layout for group in self._groups.values()),
+            rank=self.comm.rank,
+            world_size=self.comm.world_size,
+            keys=tuple(module.state_dict(keep_vars=True).keys()),
+        )
+        """This rank's sharding: the units and, per unit, each parameter's names, shape and slice."""
         _move_buffers(module, self.device)
         self._register_hooks()
         self._sync_grads = True
@@ -258,7 +294,7 @@ class FullyShardedDataParallel(nn.Module):
                 full = group.gather_full()
                 if not rank0_only or self.comm.rank == 0:
                     views = group.full_views(full)
-                    group._set(
+                    group.set_params(
                         [
                             nn.Parameter(v, requires_grad=p.requires_grad)
                             for v, p in zip(views, group.pieces, strict=True)
@@ -300,11 +336,11 @@ class FullyShardedDataParallel(nn.Module):
         whole on rank 0, ``{}`` elsewhere. Sharded: this rank's pieces, local.
         """
         if self._state_dict_type is not StateDictType.FULL:
-            return sharded_state_dict(self)
+            return self.sharded_state_dict()
         if self._holds_full is not None:
             return summoned_state_dict(self.module) if self._holds_full else {}
         self.expect_every_rank("state_dict()", " outside summon_full_params")
-        return full_state_dict(self, check_arrival=False)
+        return self._gather_full_state(rank0_only=True)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Loads a full state dict (on every rank) or this world's sharded ones, per :meth:`state_dict_type`.
@@ -318,8 +354,69 @@ class FullyShardedDataParallel(nn.Module):
                 "flat shards, so values are copied into them. Call it with assign=False."
             )
         if self._state_dict_type is StateDictType.FULL:
-            return load_full_state_dict(self, state_dict, strict=strict)
-        return load_sharded_state_dict(self, [state_dict], strict=strict)
+            return self.load_full_state_dict(state_dict, strict=strict)
+        return self.load_sharded_state_dict([state_dict], strict=strict)
+
+    # -------------------------------------------------------------------------- checkpoints
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """Every parameter whole, on the CPU, keyed as the bare module's ``state_dict()``; with ``rank0_only``
+        the other ranks get ``{}``. Collective (a call on a subset of ranks raises); one unit at a time."""
+        self.expect_every_rank("full_state_dict()")
+        return self._gather_full_state(rank0_only)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's pieces and their layout (see ``state_dict`` [Note: sharded format]). No collectives."""
+        return local_state(self.layout, self._flat_shards(), self._buffers_by_name())
+
+    def load_full_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+    ) -> tuple[list[str], list[str]]:
+        """Copies this rank's pieces out of a full state dict given on every rank (memory-map it when loading
+        from a file, so the ranks share one copy). No collectives. Returns (missing, unexpected) keys."""
+        return load_full_state(self.layout, self._flat_shards(), self._buffers_by_name(), state_dict, strict)
+
+    def load_sharded_state_dict(
+        self, shards: Iterable[Mapping[str, Any]], strict: bool = True
+    ) -> tuple[list[str], list[str]]:
+        """Fills this rank's pieces from sharded state dicts saved at any world size (each read once, in any
+        order). No collectives. Returns (missing, unexpected) parameter names."""
+        return load_local_states(self.layout, self._flat_shards(), self._buffers_by_name(), shards, strict)
+
+    def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = True) -> dict[str, Any]:
+        """``optimizer``'s whole state by parameter name, on the CPU of rank 0 (``{}`` elsewhere, unless not
+        ``rank0_only``). Collective: a call on a subset of ranks raises ``CollectiveMisuseError``."""
+        self.expect_every_rank("full_optim_state_dict()")
+        keep = not rank0_only or self.comm.rank == 0
+        return gather_full_optim_state(self.layout, self._pieces(), optimizer, self.comm, keep)
+
+    def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's part of ``optimizer``'s state by parameter name, with its layout. No collectives."""
+        return local_optim_state(self.layout, self._pieces(), optimizer)
+
+    def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer, full: Mapping[str, Any]) -> None:
+        """Loads this rank's pieces of a full optimizer state dict given on every rank: keyed by parameter name
+        (hai_fsdp's) or by position (``optimizer.state_dict()`` of ddp or one device). No collectives."""
+        load_full_optim_state(self.layout, self._pieces(), optimizer, full)
+
+    def load_sharded_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, shards: Iterable[Mapping[str, Any]]
+    ) -> None:
+        """Loads this rank's pieces from sharded optimizer states saved at any world size. No collectives."""
+        load_local_optim_states(self.layout, self._pieces(), optimizer, shards)
+
+    def _gather_full_state(self, rank0_only: bool) -> dict[str, torch.Tensor]:
+        keep = not rank0_only or self.comm.rank == 0
+        return gather_full_state(self.layout, self._flat_shards(), self._buffers_by_name(), self.comm, keep)
+
+    def _flat_shards(self) -> list[torch.Tensor]:
+        return [group.flat_shard for group in self._groups.values()]
+
+    def _pieces(self) -> list[list[nn.Parameter]]:
+        return [group.pieces for group in self._groups.values()]
+
+    def _buffers_by_name(self) -> dict[str, torch.Tensor]:
+        return dict(self.module.named_buffers(remove_duplicate=False))
 
     def __getattr__(self, name: str) -> Any:
         try:

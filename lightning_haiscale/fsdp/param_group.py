@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from lightning_haiscale.fsdp.api import MixedPrecision
-from lightning_haiscale.fsdp.collectives import all_gather_shards, reduce_scatter_grads
+from lightning_haiscale.fsdp.collectives import all_gather_shards, gather_unit, reduce_scatter_grads
+from lightning_haiscale.fsdp.layout import ParamSlice, UnitLayout
 from lightning_haiscale.fsdp.wrap import ParamRef
 from lightning_haiscale.hfreduce import Communicator, Work
 
@@ -101,6 +102,12 @@ class FSDPParamGroup:
         self.padded_numel = self.shard_numel * comm.world_size
         self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         self.infos = self._shard(refs)
+        self.layout = UnitLayout(
+            params=tuple(ParamSlice(i.fqns, i.shape, i.piece_start, i.piece_end, i.shard_offset) for i in self.infos),
+            shard_numel=self.shard_numel,
+            world_size=comm.world_size,
+        )
+        """The public face of this unit's sharding (names, shapes, this rank's slices)."""
         self.pieces = [
             nn.Parameter(self.piece(info), requires_grad=ref.param.requires_grad)
             for info, ref in zip(self.infos, refs, strict=True)
@@ -159,18 +166,19 @@ class FSDPParamGroup:
         views = torch.split(full, self._split_sizes)
         return [view.view(info.shape) for view, info in zip(views, self.infos, strict=False)]
 
-    def _set(self, tensors: list[torch.Tensor]) -> None:
+    def set_params(self, tensors: list[torch.Tensor]) -> None:
+        """The modules hold ``tensors`` (one per parameter, in ``infos`` order) in the parameters' places."""
         for info, tensor in zip(self.infos, tensors, strict=True):
             for module, attr in info.holders:
                 module._parameters[attr] = tensor
 
     def use_pieces(self) -> None:
         """The modules hold the piece parameters (what ``parameters()`` and the optimizer see)."""
-        self._set(self.pieces)
+        self.set_params(self.pieces)
 
     def use_unsharded_views(self) -> None:
         """The modules hold views of ``full`` that autograd routes to ``full.grad``."""
-        self._set(self.full_views(self.full))
+        self.set_params(self.full_views(self.full))
 
     # ----------------------------------------------------------------------- transitions
 
@@ -239,10 +247,7 @@ class FSDPParamGroup:
 
     def gather_full(self, flat_shard: torch.Tensor | None = None) -> torch.Tensor:
         """A fresh unsharded flat buffer of ``flat_shard`` (default: the parameters) in the shard's dtype."""
-        shard = self.flat_shard if flat_shard is None else flat_shard
-        full = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
-        all_gather_shards(self.comm, full, shard.contiguous(), async_op=False)
-        return full
+        return gather_unit(self.comm, self.layout, self.flat_shard if flat_shard is None else flat_shard)
 
     def write_back(self, full: torch.Tensor) -> None:
         """Copies this rank's range of an unsharded flat buffer into the shard."""

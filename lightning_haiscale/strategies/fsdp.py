@@ -33,14 +33,6 @@ from lightning_haiscale.fsdp import (
     BackwardPrefetch,
     FullyShardedDataParallel,
     MixedPrecision,
-    full_optim_state_dict,
-    full_state_dict,
-    load_full_optim_state_dict,
-    load_full_state_dict,
-    load_sharded_optim_state_dict,
-    load_sharded_state_dict,
-    sharded_optim_state_dict,
-    sharded_state_dict,
 )
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy, check_policy
@@ -149,15 +141,15 @@ class HaiFSDPStrategy(HaiParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.state_dict_type == "full":
-            return full_state_dict(self._wrapper())
-        return sharded_state_dict(self._wrapper())
+            return self._wrapper().full_state_dict()
+        return self._wrapper().sharded_state_dict()
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
         if self.state_dict_type == "full":
-            return full_optim_state_dict(self._wrapper(), optimizer)
-        return sharded_optim_state_dict(self._wrapper(), optimizer)
+            return self._wrapper().full_optim_state_dict(optimizer)
+        return self._wrapper().sharded_optim_state_dict(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -186,22 +178,22 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         if is_dcp_folder(path):
             meta = dict(self.checkpoint_io.load_checkpoint(path / _META_FILE, weights_only=weights_only))
             model_shard, optim_shards = load_dcp(path, model, len(optimizers), strict=strict)
-            load_sharded_state_dict(model, [model_shard], strict=strict)
+            model.load_sharded_state_dict([model_shard], strict=strict)
             for optimizer, shard in zip(optimizers, optim_shards, strict=True):
-                load_sharded_optim_state_dict(model, optimizer, [shard])
+                model.load_sharded_optim_state_dict(optimizer, [shard])
             return meta
         if path.is_dir():  # the rank_<r>.pt folders of lightning-haiscale 0.1
             meta = torch.load(path / _META_FILE, map_location="cpu", weights_only=safe)
             files = [path / f"rank_{r}.pt" for r in range(meta.pop("hai_fsdp_world_size"))]
-            load_sharded_state_dict(model, (_mmap(f, safe)["state_dict"] for f in files), strict=strict)
+            model.load_sharded_state_dict((_mmap(f, safe)["state_dict"] for f in files), strict=strict)
             for i, optimizer in enumerate(optimizers):
                 shards = (_mmap(f, safe)["optimizer_states"][i] for f in files)
-                load_sharded_optim_state_dict(model, optimizer, shards)
+                model.load_sharded_optim_state_dict(optimizer, shards)
             return meta
         checkpoint = _mmap(path, safe)
-        load_full_state_dict(model, checkpoint.pop("state_dict"), strict=strict)
+        model.load_full_state_dict(checkpoint.pop("state_dict"), strict=strict)
         for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", []), strict=False):
-            load_full_optim_state_dict(model, optimizer, state)
+            model.load_full_optim_state_dict(optimizer, state)
         return checkpoint
 
     @override

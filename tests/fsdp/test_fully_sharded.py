@@ -81,7 +81,7 @@ def _parity(rank: int, world: int) -> dict:
         "losses": mean_losses.tolist(),
         "error": _error_against_reference(state_dict, batches(STEPS, 2 * world), world) if rank == 0 else None,
         "names": [n for n, _ in model.named_parameters()],
-        "units": len(groups),
+        "units": len(model.layout.units),
         "bytes": _bytes([*model.parameters(), *(p.grad for p in model.parameters()), *state]),
         "all_freed": all(g.full.untyped_storage().nbytes() == 0 and g.state is ShardState.SHARDED for g in groups),
     }
@@ -184,9 +184,9 @@ def test_checkpoints_round_trip_and_resume_on_other_world_size(tmp_path: Path) -
 
 def _grad_pieces(model: FullyShardedDataParallel) -> dict[str, torch.Tensor]:
     out = {}
-    for group in model._groups.values():
-        for info, piece in zip(group.infos, group.pieces, strict=True):
-            out[info.fqns[0]] = (info, piece.grad.clone())
+    pieces = dict(model.named_parameters())
+    for _, param in model.layout.params():
+        out[param.name] = (param, pieces[param.name].grad.clone())
     return out
 
 
@@ -202,11 +202,7 @@ def _features(rank: int, world: int) -> dict:
     (loss_of(ref, data[0]) + loss_of(ref, data[1])).backward()
     ref_grads = dict(ref.named_parameters())
     no_sync_error = max(
-        (
-            (g - ref_grads[name].grad.reshape(-1)[info.piece_start : info.piece_end]).abs().max().item()
-            if g.numel()
-            else 0
-        )
+        ((g - ref_grads[name].grad.reshape(-1)[info.start : info.end]).abs().max().item() if g.numel() else 0)
         for name, (info, g) in pieces.items()
     )
     # summon_full_params: changes inside are written back; rank0_only shows whole tensors on rank 0 only

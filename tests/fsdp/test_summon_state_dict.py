@@ -90,3 +90,33 @@ def test_collectives_on_one_rank_raise_naming_the_fix(how: str, within: float) -
     """A peer that exited is seen at once; a live one busy elsewhere after ``arrival_timeout`` (2 s)."""
     elapsed = run_distributed(_subset, 2, how, may_die={1}, timeout=60)[0]
     assert max(elapsed) < within
+
+
+def _two_models(rank: int, world: int) -> dict:
+    gloo_groups = []
+    new_group = dist.new_group
+
+    def counting(*args: object, **kwargs: object) -> object:
+        if kwargs.get("backend") == "gloo":
+            gloo_groups.append(args)
+        return new_group(*args, **kwargs)
+
+    dist.new_group = counting  # this spawned process only
+    try:
+        first = FullyShardedDataParallel(make_model(), arrival_timeout=timedelta(seconds=5))
+        second = FullyShardedDataParallel(make_model(), arrival_timeout=timedelta(seconds=5))
+    finally:
+        dist.new_group = new_group
+    same = first.state_dict()  # every rank, the same model: passes
+    mine = first if rank == 0 else second  # every rank, different models
+    with pytest.raises(CollectiveMisuseError, match=r"state_dict\(\) is collective.*different models"):
+        mine.state_dict()
+    return {"gloo_groups": len(gloo_groups), "same": len(same)}
+
+
+def test_wrappers_share_one_arrival_group_and_still_tell_models_apart() -> None:
+    """One gloo group per process group, not per wrapper; a call on different models on different ranks
+    still raises before any engine collective (see arrival [Note: one gloo group per process group])."""
+    results = run_distributed(_two_models, 2, timeout=90)
+    assert [r["gloo_groups"] for r in results] == [1, 1]
+    assert results[0]["same"] > 0

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import lightning_haiscale  # noqa: F401  (registers "hai_ddp")
-from examples.gpt.lightning_module import GPTLightningModule
+from examples.gpt.lightning_module import GPTLightningModule, decay_groups
 from examples.gpt.model import config, lm_loss
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.strategies import HaiDDPStrategy
@@ -61,7 +61,7 @@ def _assert_close(model: nn.Module, ref: nn.Module, rel: float = 1e-5) -> None:
 def _reference(module: GPTLightningModule, world: int, steps: int, data: TensorDataset) -> nn.Module:
     """One process whose batch is every rank's batch of the step, dealt as Lightning's sampler deals them."""
     ref = copy.deepcopy(module.model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=module.lr, betas=(0.9, 0.95), weight_decay=module.weight_decay)
+    opt = torch.optim.AdamW(decay_groups(ref.named_parameters(), module.weight_decay), lr=module.lr, betas=(0.9, 0.95))
     samplers = [DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0) for r in range(world)]
     for step in range(steps):
         rows = [i for s in samplers for i in list(s)[step * BATCH : (step + 1) * BATCH]]  # within epoch 0

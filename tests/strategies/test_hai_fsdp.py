@@ -18,9 +18,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_haiscale  # noqa: F401  (registers "hai_fsdp")
-from examples.gpt.lightning_module import GPTLightningModule
+from examples.gpt.lightning_module import GPTLightningModule, decay_groups
 from examples.gpt.model import GPT, Block, config, lm_loss
-from lightning_haiscale.fsdp import FullyShardedDataParallel, full_state_dict
+from lightning_haiscale.fsdp import FullyShardedDataParallel
 from lightning_haiscale.strategies import HaiFSDPStrategy
 from tests.distributed import run_distributed
 from tests.fsdp.helpers import deterministic_init
@@ -60,7 +60,7 @@ def _reference(data: TensorDataset, world: int, steps: int, accumulate: int) -> 
     ref = GPT(CFG)
     for module in ref.modules():
         deterministic_init(module)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(decay_groups(ref.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.95))
     rows = [list(DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0)) for r in range(world)]
     for step in range(steps):
         per_rank = []
@@ -88,7 +88,7 @@ def _parity_accumulation_and_full_checkpoint(rank: int, world: int, tmp: Path) -
     assert isinstance(trainer.train_dataloader.sampler, DistributedSampler)
     assert isinstance(trainer.strategy.model, FullyShardedDataParallel)
     ref = _reference(data, world, 3, accumulate=2)
-    full = full_state_dict(trainer.strategy.model)
+    full = trainer.strategy.model.full_state_dict()
     trainer.save_checkpoint(tmp / "full.ckpt")
     if rank == 0:
         for name, q in ref.named_parameters():
@@ -99,7 +99,7 @@ def _parity_accumulation_and_full_checkpoint(rank: int, world: int, tmp: Path) -
         bare.load_state_dict(torch.load(tmp / "full.ckpt", weights_only=True)["state_dict"])  # plain torch.load
         assert all(torch.equal(full[k], v) for k, v in bare.state_dict().items())
     pieces = sum(p.numel() for p in module.parameters())
-    assert pieces <= sum(p.numel() for p in ref.parameters()) // world + 2 * len(trainer.strategy.model._groups)
+    assert pieces <= sum(p.numel() for p in ref.parameters()) // world + 2 * len(trainer.strategy.model.layout.units)
 
 
 def _resume(rank: int, world: int, tmp: Path) -> None:
@@ -111,7 +111,7 @@ def _resume(rank: int, world: int, tmp: Path) -> None:
         for kind in ("full", "sharded")
     ]
     trainer = quiet_fit(_GPT(CFG), _strategy(), 6, data, BATCH, callbacks=[whole, savers[0]], enable_checkpointing=True)
-    expected = full_state_dict(trainer.strategy.model)
+    expected = trainer.strategy.model.full_state_dict()
     quiet_fit(
         _GPT(CFG),
         _strategy(state_dict_type="sharded"),
@@ -128,11 +128,11 @@ def _resume(rank: int, world: int, tmp: Path) -> None:
         strategy = _strategy(state_dict_type=kind)
         trainer = quiet_fit(_GPT(CFG), strategy, 6, data, BATCH, callbacks=[resumed], ckpt_path=ckpt)
         assert resumed.losses == whole.losses[3:], kind  # bit-for-bit
-        got = full_state_dict(trainer.strategy.model)  # rank 0 holds it; {} elsewhere
+        got = trainer.strategy.model.full_state_dict()  # rank 0 holds it; {} elsewhere
         assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items()), kind
         # The same Trainer validates a fresh module from the checkpoint: the finished fit's optimizers stay out.
         trainer.validate(_GPT(CFG), DataLoader(data, batch_size=BATCH), ckpt_path=ckpt, verbose=False)
-        loaded = full_state_dict(trainer.strategy.model)
+        loaded = trainer.strategy.model.full_state_dict()
         if rank == 0 and kind == "full":
             saved = torch.load(ckpt, weights_only=True)["state_dict"]
             assert all(torch.equal(loaded[k], v) for k, v in saved.items())
@@ -165,7 +165,7 @@ def _resume_on_four_ranks(rank: int, world: int, tmp: str) -> list[list[float]]:
         assert trainer.global_step == 6
         losses.append(resumed.losses)
     trainer = quiet_fit(_GPT(CFG), _strategy(), 3, data, BATCH, ckpt_path=Path(tmp) / "sharded" / "step=3.ckpt")
-    loaded = full_state_dict(trainer.strategy.model)
+    loaded = trainer.strategy.model.full_state_dict()
     if rank == 0:
         saved = torch.load(Path(tmp) / "full" / "step=3.ckpt", weights_only=True)["state_dict"]
         assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
