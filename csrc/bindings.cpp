@@ -38,6 +38,13 @@ const void* as_ptr(uintptr_t address, size_t count, const char* what) {
   return reinterpret_cast<const void*>(address);
 }
 
+// What a collective returns to Python: a queued one its Work; a blocking one None once it succeeded, else
+// its failed Work. No Python object is built on the synchronous hot path (see [Note: the synchronous fast
+// path] in lightning_haiscale/hfreduce/communicator.py).
+std::shared_ptr<Work> outcome(std::shared_ptr<Work> work, bool blocking) {
+  return blocking && work->error_kind() == ErrorKind::kNone ? nullptr : work;
+}
+
 double checked_divisor(DType dtype, double divisor) {
   if (divisor != 1.0 && !hfreduce::is_floating(dtype)) {
     throw std::invalid_argument("hfreduce: op='avg' needs a floating-point dtype");
@@ -110,6 +117,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &Work::is_completed)
+      .def("failed", [](Work& w) { return w.error_kind() != ErrorKind::kNone; })  // cheaper than error_kind()
       .def("error_kind", &Work::error_kind)
       .def("error_message", &Work::error_message)
       .def("error_ranks", &Work::error_ranks);
@@ -152,8 +160,9 @@ PYBIND11_MODULE(_C, m) {
               bool blocking) {
              const double div = checked_divisor(dt, divisor);
              py::gil_scoped_release release;
-             return c.all_reduce(as_ptr(src, count, "input"), const_cast<void*>(as_ptr(dst, count, "output")), count,
-                                 dt, div, blocking);
+             auto work = c.all_reduce(as_ptr(src, count, "input"), const_cast<void*>(as_ptr(dst, count, "output")),
+                                      count, dt, div, blocking);
+             return outcome(std::move(work), blocking);
            },
            py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("divisor"),
            py::arg("blocking") = false)
@@ -162,7 +171,7 @@ PYBIND11_MODULE(_C, m) {
               double divisor, bool blocking) {
              const double div = checked_divisor(dt, divisor);
              py::gil_scoped_release release;
-             return c.all_reduce_buffer(std::move(buffer), offset, count, dt, div, blocking);
+             return outcome(c.all_reduce_buffer(std::move(buffer), offset, count, dt, div, blocking), blocking);
            },
            py::arg("buffer"), py::arg("offset"), py::arg("count"), py::arg("dtype"), py::arg("divisor"),
            py::arg("blocking") = false)
@@ -171,27 +180,36 @@ PYBIND11_MODULE(_C, m) {
               bool blocking) {
              const double div = checked_divisor(dt, divisor);
              py::gil_scoped_release release;
-             return c.reduce_scatter(as_ptr(src, count_per_rank, "input"),
-                                     const_cast<void*>(as_ptr(dst, count_per_rank, "output")), count_per_rank, dt, div,
-                                     blocking);
+             auto work = c.reduce_scatter(as_ptr(src, count_per_rank, "input"),
+                                          const_cast<void*>(as_ptr(dst, count_per_rank, "output")), count_per_rank, dt,
+                                          div, blocking);
+             return outcome(std::move(work), blocking);
            },
            py::arg("src"), py::arg("dst"), py::arg("count_per_rank"), py::arg("dtype"), py::arg("divisor"),
            py::arg("blocking") = false)
       .def("all_gather",
            [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count_per_rank, DType dt, bool blocking) {
              py::gil_scoped_release release;
-             return c.all_gather(as_ptr(src, count_per_rank, "input"),
-                                 const_cast<void*>(as_ptr(dst, count_per_rank, "output")), count_per_rank, dt,
-                                 blocking);
+             auto work = c.all_gather(as_ptr(src, count_per_rank, "input"),
+                                      const_cast<void*>(as_ptr(dst, count_per_rank, "output")), count_per_rank, dt,
+                                      blocking);
+             return outcome(std::move(work), blocking);
            },
            py::arg("src"), py::arg("dst"), py::arg("count_per_rank"), py::arg("dtype"), py::arg("blocking") = false)
       .def("broadcast",
            [](Communicator& c, uintptr_t buffer, size_t count, DType dt, int root, bool blocking) {
              py::gil_scoped_release release;
-             return c.broadcast(const_cast<void*>(as_ptr(buffer, count, "tensor")), count, dt, root, blocking);
+             auto work = c.broadcast(const_cast<void*>(as_ptr(buffer, count, "tensor")), count, dt, root, blocking);
+             return outcome(std::move(work), blocking);
            },
            py::arg("buffer"), py::arg("count"), py::arg("dtype"), py::arg("root"), py::arg("blocking") = false)
-      .def("barrier", &Communicator::barrier, py::arg("blocking") = false, py::call_guard<py::gil_scoped_release>())
-      .def("agree", &Communicator::agree, py::arg("call"), py::arg("blocking") = false,
-           py::call_guard<py::gil_scoped_release>());
+      .def(
+          "barrier", [](Communicator& c, bool blocking) { return outcome(c.barrier(blocking), blocking); },
+          py::arg("blocking") = false, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "agree",
+          [](Communicator& c, const Fingerprint& call, bool blocking) {
+            return outcome(c.agree(call, blocking), blocking);
+          },
+          py::arg("call"), py::arg("blocking") = false, py::call_guard<py::gil_scoped_release>());
 }

@@ -287,7 +287,7 @@ void Communicator::stop() {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
-  cv_.notify_all();
+  work_cv_.notify_all();
   if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
 }
 
@@ -302,17 +302,19 @@ std::shared_ptr<Work> Communicator::submit(Fingerprint call, std::function<void(
   if (!blocking) {
     queue_.push_back(std::move(job));
     lock.unlock();
-    cv_.notify_all();
+    work_cv_.notify_one();
     return work;
   }
-  cv_.wait(lock, [this] { return queue_.empty() && !busy_; });  // earlier collectives go first
+  idle_cv_.wait(lock, [this] { return queue_.empty() && !busy_; });  // earlier collectives go first
   busy_ = true;
   lock.unlock();
   execute(job);
   lock.lock();
   busy_ = false;
+  const bool wake_worker = !queue_.empty() || stopping_;  // queued or stopped while this one ran
   lock.unlock();
-  cv_.notify_all();
+  if (wake_worker) work_cv_.notify_one();
+  idle_cv_.notify_all();  // another thread's inline call; no system call when nobody waits
   return work;
 }
 
@@ -339,7 +341,7 @@ void Communicator::execute(const Job& job) {
 void Communicator::worker_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    cv_.wait(lock, [this] { return (stopping_ && !busy_) || (!queue_.empty() && !busy_); });
+    work_cv_.wait(lock, [this] { return (stopping_ && !busy_) || (!queue_.empty() && !busy_); });
     if (queue_.empty()) return;
     Job job = std::move(queue_.front());
     queue_.pop_front();
@@ -348,7 +350,7 @@ void Communicator::worker_loop() {
     execute(job);
     lock.lock();
     busy_ = false;
-    cv_.notify_all();
+    idle_cv_.notify_all();
   }
 }
 

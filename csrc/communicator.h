@@ -171,8 +171,14 @@ class Communicator {
   bool announced_ = true;    // call_ is in the header and was checked (false until its first barrier)
   int set_ = 0;              // staging set the next chunk uses (of kStagingSets)
 
+  // [Note: two condition variables] The worker sleeps on work_cv_, woken only when work is queued or the
+  // communicator stops; a synchronous call waits on idle_cv_ for earlier work to finish. With one shared
+  // variable, every synchronous call woke the idle worker thread: a futex system call and a context
+  // switch per call, and a thread competing for the caller's core (measured: 1.4 context switches per
+  // 4 KiB all-reduce in one process; see RESULTS.md).
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable work_cv_;
+  std::condition_variable idle_cv_;
   std::deque<Job> queue_;
   bool stopping_ = false;
   bool busy_ = false;   // a collective is running (on the worker or inline); guarded by mu_

@@ -55,7 +55,6 @@ class ShmBackend(Backend):
         self._allow_fallback = allow_fallback  # alloc_buffer: a plain tensor when /dev/shm is full
         self._buffers: list[_Buffer] = []
         kinds = load_engine().ErrorKind
-        self._none = kinds.NONE
         self._errors: dict[Any, type[HFReduceError]] = {
             kinds.TIMEOUT: HFReduceTimeoutError,
             kinds.PEER_DIED: HFReducePeerError,
@@ -106,12 +105,14 @@ class ShmBackend(Backend):
 
     def all_reduce(self, tensor: torch.Tensor, divisor: float, blocking: bool = True) -> Any:
         n, dtype, address = tensor.numel(), engine_dtype(tensor.dtype), tensor.data_ptr()
-        buffer = self._find_buffer(address, n * tensor.element_size())
+        buffer = self._find_buffer(address, n * tensor.element_size()) if self._buffers else None
         if buffer is not None:
             native = self.native.all_reduce_buffer(buffer.shared, address - buffer.start, n, dtype, divisor, blocking)
         else:
             native = self.native.all_reduce(address, address, n, dtype, divisor, blocking)
-        return self._checked(native, blocking)
+        if blocking and native is not None:  # _checked, inlined on the hot path
+            self.raise_if_failed(native)
+        return native
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, divisor: float, blocking: bool = True) -> Any:
         n, dtype = output.numel(), engine_dtype(input.dtype)
@@ -164,9 +165,9 @@ class ShmBackend(Backend):
 
     def raise_if_failed(self, native: Any) -> None:
         """Raises the error of a completed engine collective, if it failed, naming group ranks."""
-        kind = native.error_kind()
-        if kind == self._none:
+        if not native.failed():
             return
+        kind = native.error_kind()
         topology = self.topology
         ranks = [topology.local_ranks[r] for r in native.error_ranks()]
         if kind == load_engine().ErrorKind.MISMATCH:
@@ -183,7 +184,8 @@ class ShmBackend(Backend):
         self.native.stop()
 
     def _checked(self, native: Any, blocking: bool) -> Any:
-        if blocking:
+        """A blocking engine call returns None once it succeeded, else its failed Work (see csrc/bindings.cpp)."""
+        if blocking and native is not None:
             self.raise_if_failed(native)
         return native
 

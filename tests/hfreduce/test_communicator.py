@@ -10,6 +10,7 @@ Integers are always exact.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import time
 from datetime import timedelta
@@ -270,3 +271,22 @@ def test_no_segment_remains_after_close_error_or_sigkill(tmp_path: Path) -> None
     run_distributed(_all_killed, 2, str(tmp_path), may_die={0, 1})
     killed = [int(p.read_text()) for p in tmp_path.iterdir()]
     assert len(killed) == 2 and _segments_of(killed) == []
+
+
+def _sleeps_during_synchronous_calls(rank: int, world: int) -> int:
+    comm = Communicator()
+    t = torch.ones(1024)
+    comm.all_reduce(t)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+    for _ in range(2000):
+        comm.all_reduce(t)
+    slept = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before
+    comm.close()
+    return slept
+
+
+def test_a_synchronous_call_wakes_no_thread() -> None:
+    """With one rank nothing is waited for, so no thread of the process should sleep (a voluntary context
+    switch) during synchronous all-reduces. The engine's idle worker thread used to be woken by each one:
+    about one context switch per call (see [Note: two condition variables] in csrc/communicator.h)."""
+    assert run_distributed(_sleeps_during_synchronous_calls, 1)[0] < 100
