@@ -46,7 +46,7 @@ from lightning_haiscale.pipeline.schedule import (
     post_ahead,
 )
 
-__all__ = ["PipelineCommunicationError", "StepResult", "run_actions"]
+__all__ = ["PipelineCommunicationError", "StepResult", "issue_order", "run_actions"]
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +99,20 @@ def run_actions(
     schedule: dict[int, list[Action]],
     inputs: Sequence[tuple[Any, ...]] | None,
     config: StepConfig,
+    program: Sequence[Action | Batch] | None = None,
 ) -> StepResult:
     """Runs this rank's ``actions`` on its stage ``modules`` (one per model chunk) and returns its results.
 
     ``inputs[m]`` is microbatch ``m``'s input tuple (first stage only). On the last stage
     ``config.loss_fn(m, output)`` gives microbatch ``m``'s loss; its backward is scaled by ``loss_scale``
-    and then by ``grad_scaler`` (fp16 loss scaling), when there is one.
+    and then by ``grad_scaler`` (fp16 loss scaling), when there is one. ``program`` is
+    ``issue_order(actions, config)``, which a caller running the same step again may keep (the pipelines do).
     On failure the schedule's grid is logged with the failing action.
     """
     step = _Step(modules, inputs, config, actions, schedule)
     done = False
     try:
-        for index, item in enumerate(_program(actions, config)):
+        for index, item in enumerate(program if program is not None else issue_order(actions, config)):
             try:
                 step.run(item)
             except Exception:
@@ -122,7 +124,7 @@ def run_actions(
     return step.result
 
 
-def _program(actions: Sequence[Action], config: StepConfig) -> list[Action | Batch]:
+def issue_order(actions: Sequence[Action], config: StepConfig) -> list[Action | Batch]:
     """What this rank issues: ``lower``'s program; on a backend that runs transfers concurrently (gloo),
     with receives posted a compute ahead (``post_ahead``), since there an early receive blocks nothing."""
     program = lower(list(actions), config.header_every_microbatch)
@@ -228,7 +230,8 @@ class _Step:
             ]
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        loss = loss * self.cfg.loss_scale
+        if self.cfg.loss_scale != 1.0:  # haiscale's forward_backward: no scalar op and graph node per microbatch
+            loss = loss * self.cfg.loss_scale
         return loss if self.cfg.grad_scaler is None else self.cfg.grad_scaler.scale(loss)
 
     def _live(self, stage: int) -> int:

@@ -66,7 +66,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
 def encode_header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -12,9 +12,17 @@ from torch import nn
 
 from lightning_haiscale.clip_grad import clip_grad_norm_
 from lightning_haiscale.grad_sync import sync_off
-from lightning_haiscale.pipeline.executor import LossFn, StepConfig, StepResult, check_stage_module, run_actions
+from lightning_haiscale.pipeline.executor import (
+    LossFn,
+    StepConfig,
+    StepResult,
+    check_stage_module,
+    issue_order,
+    run_actions,
+)
 from lightning_haiscale.pipeline.schedule import (
     Action,
+    Batch,
     Order,
     build_schedule,
     gpipe_order,
@@ -138,6 +146,7 @@ class Pipeline(nn.Module):
             )
         self._sync_grads = True
         self._schedules: dict[tuple[int, bool], dict[int, list[Action]]] = {}
+        self._programs: dict[tuple[int, bool, bool], list[Action | Batch]] = {}  # this rank's, per step kind
         self.peak_live = 0
         self.schedule(chunks)  # build and check the training schedule now: errors before any step
 
@@ -234,7 +243,7 @@ class Pipeline(nn.Module):
             self.chunks, training=True, loss_fn=loss_fn, loss_scale=loss_scale, keep=keep_outputs, uneven=uneven
         )
         config.grad_scaler = grad_scaler
-        result = self._run(self.schedule(self.chunks), microbatches, config)
+        result = self._run(self.chunks, False, microbatches, config)
         self.peak_live = result.peak_live
         return result
 
@@ -247,7 +256,7 @@ class Pipeline(nn.Module):
         batches = split_microbatches(inputs, n, even=False) if inputs else None
         config = self._config(n, training=False, loss_fn=None, loss_scale=1.0, keep=True, uneven=True)
         with torch.no_grad():
-            result = self._run(self.schedule(n, forward_only=True), batches, config)
+            result = self._run(n, True, batches, config)
         return _join(result.outputs, n) if self.is_last_stage else None
 
     def _config(
@@ -269,11 +278,15 @@ class Pipeline(nn.Module):
         )
 
     def _run(
-        self, schedule: dict[int, list[Action]], batches: Sequence[tuple[Any, ...]] | None, config: StepConfig
+        self, n: int, forward_only: bool, batches: Sequence[tuple[Any, ...]] | None, config: StepConfig
     ) -> StepResult:
         if self.is_first_stage and batches is None:
             raise ValueError("the first pipeline stage needs the inputs; pass the batch on every rank")
-        return run_actions(self.stages, schedule[self.rank], schedule, batches, config)
+        schedule = self.schedule(n, forward_only)
+        key = (n, forward_only, config.header_every_microbatch)
+        if key not in self._programs:  # lowering takes 0.15-0.5 ms of Python: once, not every step
+            self._programs[key] = issue_order(schedule[self.rank], config)
+        return run_actions(self.stages, schedule[self.rank], schedule, batches, config, self._programs[key])
 
 
 class GPipe(Pipeline):

@@ -376,8 +376,10 @@ def lower(actions: list[Action], header_every_microbatch: bool) -> list[Action |
 def post_ahead(program: list[Action | Batch], header_every_microbatch: bool) -> list[Action | Batch]:
     """``lower``'s program with receives posted one compute earlier, for backends that run transfers
     concurrently and pair them by order per link and direction only (gloo: no shared stream, so an early
-    receive blocks nothing). Each receive that needs no header moves into a batch of its own just before
-    the previous compute, so its transfer (a rendezvous on gloo) overlaps that compute. The order of the
+    receive blocks nothing). Each receive that needs no header moves just before the previous compute, so
+    its transfer (a rendezvous on gloo) overlaps that compute: into the batch of sends issued there, if
+    there is one without a header (one ``batch_isend_irecv`` call instead of two), else a batch of its
+    own. The order of the
     receives is kept: a receive behind one that stays stays too. A gradient receive never moves above the
     forward of its microbatch (its buffer's shapes come from that forward).
     """
@@ -405,11 +407,19 @@ def post_ahead(program: list[Action | Batch], header_every_microbatch: bool) -> 
                 kept_batches.append(tuple(kept))
         groups[k] = kept_batches
         if moved:
-            groups[k - 1].append(tuple(moved))
+            _append_receives(groups[k - 1], tuple(moved))
     out: list[Action | Batch] = list(groups[0])
     for compute, batches in zip(computes, groups[1:], strict=True):
         out += [compute, *batches]
     return out
+
+
+def _append_receives(batches: list[Batch], receives: Batch) -> None:
+    """Adds ``receives`` to the last batch when it holds only sends and no header, else as a batch of its own."""
+    if batches and all(t.is_send and not t.header for t in batches[-1]):
+        batches[-1] = (*batches[-1], *receives)
+    else:
+        batches.append(receives)
 
 
 def _movable(t: Transfer, previous: Action, header_every_microbatch: bool) -> bool:

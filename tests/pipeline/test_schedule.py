@@ -189,6 +189,15 @@ def test_posting_ahead_keeps_each_links_receive_order(header_every_microbatch: b
                 for t in item:
                     if t.action.type is ActionType.RECV_B:
                         assert Action(t.action.stage, ActionType.FORWARD, t.action.microbatch) in done
+                assert not any(t.header for t in item[:-1])  # a header still ends its batch
+
+
+def test_posting_ahead_joins_a_receive_to_the_sends_issued_where_it_lands() -> None:
+    """One ``batch_isend_irecv`` call instead of two (was: 17 calls a step on this rank, now 15)."""
+    ahead = post_ahead(lower(build_schedule(one_f_one_b_order, 2, 8)[0], False), False)
+    batches = [[str(t) for t in item] for item in ahead if not isinstance(item, Action)]
+    assert ["0SEND_F0", "0RECV_B0"] in batches and ["0SEND_F7", "0RECV_B7"] in batches
+    assert ["0SEND_F0.header"] in batches and len(batches) == 15
 
 
 def _receives_from(program: list, peer: int, ranks: int) -> list[Transfer]:
