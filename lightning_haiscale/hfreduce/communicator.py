@@ -186,11 +186,12 @@ class Communicator:
         ``tensors`` are the checked tensors among ``args``, all on one device.
 
         [Note: the synchronous fast path] A synchronous CPU collective on one host runs on the caller's
-        thread: this method, one engine call (GIL released while it runs) and a bool for its outcome.
-        Measured per 4 KiB all-reduce in one process, where no peer is waited for (RESULTS.md): each
-        Python step here costs 0.1-2 µs, as much as the engine's copy, barrier and reduce together, so
-        the path builds no Work (the engine returns None for a success, and no Python object), tests the
-        device with ``is_cuda`` (``tensor.device`` builds an object) and looks the dtype up once per tensor.
+        thread: the argument checks, this method (``all_reduce`` inlines its first branch) and one engine
+        call, with the GIL released while it runs, that returns None on success and wakes no other thread
+        (see [Note: two condition variables] in csrc/communicator.h). Measured per 4 KiB all-reduce in one
+        process, where no peer is waited for (RESULTS.md): each Python step costs 0.1-2 µs, as much as the
+        engine's copy, barrier and reduce together, so the path builds no Work and no engine object, and
+        tests the device with ``is_cuda``/``is_cpu`` (``tensor.device`` builds an object).
         """
         engine = self._engine
         if engine is not None and not self._pending and not (tensors and tensors[0].is_cuda):
