@@ -50,7 +50,7 @@ test-min:
 	OMP_NUM_THREADS=1 $(MIN_VENV)/bin/python -m pytest -q -p no:cacheprovider $(MIN_TESTS)
 
 bench: $(STAMP)
-	$(PIP) install -q "matplotlib>=3.7" || echo "matplotlib unavailable: the chart is skipped"
+	$(PIP) install -q --no-build-isolation -e ".[bench]" || echo "the [bench] extra did not install: the chart or DeepSpeed's column is skipped"
 	$(PY) -m benchmarks.report
 
 lint: $(STAMP)
