@@ -377,9 +377,9 @@ def post_ahead(program: list[Action | Batch], header_every_microbatch: bool) -> 
     """``lower``'s program with receives posted one compute earlier, for backends that run transfers
     concurrently and pair them by order per link and direction only (gloo: no shared stream, so an early
     receive blocks nothing). Each receive that needs no header moves just before the previous compute, so
-    its transfer (a rendezvous on gloo) overlaps that compute: into the batch of sends issued there, if
-    there is one without a header (one ``batch_isend_irecv`` call instead of two), else a batch of its
-    own. The order of the
+    its transfer (a rendezvous on gloo) overlaps that compute: into the batch issued there, if there is
+    one without a header (one ``batch_isend_irecv`` call instead of two), else a batch of its own. The
+    order of the
     receives is kept: a receive behind one that stays stays too. A gradient receive never moves above the
     forward of its microbatch (its buffer's shapes come from that forward).
     """
@@ -415,8 +415,9 @@ def post_ahead(program: list[Action | Batch], header_every_microbatch: bool) -> 
 
 
 def _append_receives(batches: list[Batch], receives: Batch) -> None:
-    """Adds ``receives`` to the last batch when it holds only sends and no header, else as a batch of its own."""
-    if batches and all(t.is_send and not t.header for t in batches[-1]):
+    """Adds ``receives`` to the last batch unless it ends with a header (a payload receive it sizes must wait
+    for it), else as a batch of its own. Within a batch the order is kept, so each link's order is too."""
+    if batches and not batches[-1][-1].header:
         batches[-1] = (*batches[-1], *receives)
     else:
         batches.append(receives)

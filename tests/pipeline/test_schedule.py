@@ -198,6 +198,8 @@ def test_posting_ahead_joins_a_receive_to_the_sends_issued_where_it_lands() -> N
     batches = [[str(t) for t in item] for item in ahead if not isinstance(item, Action)]
     assert ["0SEND_F0", "0RECV_B0"] in batches and ["0SEND_F7", "0RECV_B7"] in batches
     assert ["0SEND_F0.header"] in batches and len(batches) == 15
+    gpipe = post_ahead(lower(build_schedule(gpipe_order, 2, 8)[0], False), False)
+    assert (Transfer(Action.parse("0SEND_F7")), *map(Transfer, map(Action.parse, ("0RECV_B7", "0RECV_B6")))) in gpipe
 
 
 def _receives_from(program: list, peer: int, ranks: int) -> list[Transfer]:
