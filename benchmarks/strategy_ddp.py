@@ -17,7 +17,12 @@ machine hits both sides alike; samples/s is the median over repeats, RSS the max
 A third run, ``no_comm``, is Lightning's ddp with the model left unwrapped: the same processes, data
 and steps with no gradient all-reduce at all (the replicas drift apart; it trains nothing useful). Its
 samples/s over ddp's is the ceiling of any communication engine on that config: the speed-up hai_ddp
-would show if its all-reduce were free.
+would show if its all-reduce were free. From the three step times of the same run, ``comm removed`` is
+the share of ddp's communication time that hai_ddp removes: (ddp - hai_ddp) / (ddp - no_comm).
+
+For hai_ddp the reducer's counters (``Reducer.stats``) are printed per step after the warm-up: time the
+backward thread spent copying gradients into shared buckets, time the end of backward waited for the
+all-reduces, megabytes copied and reduced in place, all-reduces launched during backward and at its end.
 """
 
 from __future__ import annotations
@@ -38,9 +43,22 @@ from torch import nn
 from examples.gpt.data import GPTDataModule
 from examples.gpt.lightning_module import GPTLightningModule
 from examples.gpt.model import config
+from lightning_haiscale.ddp import DistributedDataParallel
+from lightning_haiscale.ddp.reducer import ReducerStats
 from lightning_haiscale.testing import run_distributed
 
 STRATEGIES = ("ddp", "hai_ddp", "no_comm")
+
+
+def _per_step(stats: ReducerStats, steps: int) -> dict[str, float]:
+    return {
+        "copy_ms": stats.copy_seconds / steps * 1e3,
+        "wait_ms": stats.wait_seconds / steps * 1e3,
+        "copied_mb": stats.copied_bytes / steps / 1e6,
+        "in_place_mb": stats.in_place_bytes / steps / 1e6,
+        "overlapped": stats.overlapped / steps,
+        "at_end": stats.at_end / steps,
+    }
 
 
 class Throughput(L.Callback):
@@ -55,15 +73,29 @@ class Throughput(L.Callback):
         self.start: float | None = None
         self.end: float | None = None
         self.samples = 0
+        self.steps = 0
+        self.phases: dict[str, float] = {}
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if self.start is None and trainer.global_step >= self.warmup:
             self.start = time.perf_counter()
+            if isinstance(trainer.strategy.model, DistributedDataParallel):
+                trainer.strategy.model.reducer.stats = ReducerStats()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *a: Any):
         if self.start is not None:
             self.samples += batch[0].size(0)
+            self.steps += 1
             self.end = time.perf_counter()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if isinstance(trainer.strategy.model, DistributedDataParallel) and self.steps:
+            self.phases = _per_step(trainer.strategy.model.reducer.stats, self.steps)
+
+    def step_ms(self) -> float:
+        if self.start is None or self.end is None or not self.steps:
+            return float("nan")
+        return (self.end - self.start) / self.steps * 1e3
 
     def samples_per_second(self, trainer: L.Trainer) -> float | None:
         if self.start is None or self.end is None or self.end <= self.start:
@@ -126,8 +158,10 @@ def _worker(rank: int, world: int, strategy: str, bench: BenchConfig) -> dict[st
     trainer.fit(module, datamodule=data)
     return {
         "samples_per_s": throughput.samples_per_second(trainer) or float("nan"),
+        "step_ms": throughput.step_ms(),
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "params_m": sum(p.numel() for p in module.parameters()) / 1e6,
+        **{f"phase_{k}": v for k, v in throughput.phases.items()},
     }
 
 
@@ -139,11 +173,26 @@ def _measure(name: str, repeats: int) -> dict[str, dict[str, float]]:
     return {
         strategy: {
             "samples_per_s": statistics.median(r[0]["samples_per_s"] for r in rs),
+            "step_ms": statistics.median(r[0]["step_ms"] for r in rs),
             "rss_mib": max(rank["rss_mib"] for r in rs for rank in r),
             "params_m": rs[0][0]["params_m"],
+            **{k: statistics.median(r[0][k] for r in rs) for k in rs[0][0] if k.startswith("phase_")},
         }
         for strategy, rs in runs.items()
     }
+
+
+def _print_phases(phases: list[tuple[str, dict[str, float]]]) -> None:
+    print("\nhai_ddp per step (rank 0, median over repeats; Reducer.stats):\n")
+    print("| config | copy into buckets | wait at end of backward | copied | reduced in place "
+          "| all-reduces during / at end of backward |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for name, p in phases:
+        print(
+            f"| {name} | {p['copy_ms']:.1f} ms | {p['wait_ms']:.1f} ms | {p['copied_mb']:.1f} MB "
+            f"| {p['in_place_mb']:.1f} MB | {p['overlapped']:.0f} / {p['at_end']:.0f} |",
+            flush=True,
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -157,21 +206,27 @@ def main(argv: list[str]) -> int:
     if unknown:
         p.error(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS)}")
     print("| config | params | batch/rank | ddp samples/s | hai_ddp samples/s | speed-up | no-comm samples/s "
-          "| ceiling | ddp peak RSS/rank | hai_ddp peak RSS/rank | RSS ratio |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = []
+          "| ceiling | step ms ddp / hai_ddp / no-comm | comm removed | ddp peak RSS/rank | hai_ddp peak RSS/rank "
+          "| RSS ratio |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows, phases = [], []
     for name in names:
         bench = CONFIGS[name]
         result = _measure(name, args.repeats)
         ddp, hai, free = result["ddp"], result["hai_ddp"], result["no_comm"]
         ceiling = free["samples_per_s"] / ddp["samples_per_s"]
+        gap = ddp["step_ms"] - free["step_ms"]  # ddp's communication time
+        removed = (ddp["step_ms"] - hai["step_ms"]) / gap if gap else float("nan")
         print(
             f"| {name} ({bench.model}) | {ddp['params_m']:.1f}M | {bench.batch}x{bench.block} "
             f"| {ddp['samples_per_s']:.2f} | {hai['samples_per_s']:.2f} "
             f"| {hai['samples_per_s'] / ddp['samples_per_s']:.2f}x | {free['samples_per_s']:.2f} | {ceiling:.2f}x "
+            f"| {ddp['step_ms']:.0f} / {hai['step_ms']:.0f} / {free['step_ms']:.0f} | {removed:.0%} "
             f"| {ddp['rss_mib']:.0f} MiB | {hai['rss_mib']:.0f} MiB | {hai['rss_mib'] / ddp['rss_mib']:.2f} |",
             flush=True,
         )
+        hai_phases = {k.removeprefix("phase_"): v for k, v in hai.items() if k.startswith("phase_")}
+        phases.append((name, hai_phases))
         rows.append(
             {
                 "technique": "hai_ddp",
@@ -184,8 +239,12 @@ def main(argv: list[str]) -> int:
                 "ceiling_value": free["samples_per_s"],  # no_comm: the ceiling of any engine (benchmarks/report.py)
                 "ours_rss_mib": hai["rss_mib"],
                 "peer_rss_mib": ddp["rss_mib"],
+                "step_ms": {s: result[s]["step_ms"] for s in STRATEGIES},
+                "comm_removed": removed,
+                "hai_ddp_phases": hai_phases,
             }
         )
+    _print_phases(phases)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)

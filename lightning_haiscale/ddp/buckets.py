@@ -17,15 +17,20 @@ _ALIGN_BYTES = 64  # every bucket starts on a cache line of its flat storage
 
 @dataclass(frozen=True)
 class Bucket:
-    """One all-reduce: a contiguous slice ``[offset, offset + numel)`` of the flat storage of its key.
+    """Parameters whose gradients are reduced together, launched as one unit.
+
+    The packed parameters' gradients live in a contiguous slice ``[offset, offset + numel)`` of the flat
+    storage of its key and make one all-reduce; each in-place parameter's gradient is all-reduced where
+    autograd put it (see ``lightning_haiscale.ddp.reducer`` [Note: where gradients live]).
 
     Attributes:
         index: launch order; buckets are reduced in this order on every rank.
-        params: indices of the parameters in the bucket, in the order their gradients are laid out.
+        params: indices of the packed parameters, in the order their gradients are laid out.
         key: (dtype, device) of its gradients: the flat storage it lives in.
         offset: first element of the bucket in that storage.
-        numel: elements, including alignment padding at the end.
-        param_offsets: first element of each parameter's gradient in the storage.
+        numel: elements, including alignment padding at the end (0 when nothing is packed).
+        param_offsets: first element of each packed parameter's gradient in the storage.
+        in_place: indices of the parameters reduced in place, in launch order (before the packed slice).
     """
 
     index: int
@@ -34,14 +39,21 @@ class Bucket:
     offset: int
     numel: int
     param_offsets: tuple[int, ...]
+    in_place: tuple[int, ...] = ()
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Every parameter of the bucket: in place, then packed."""
+        return self.in_place + self.params
 
 
-def plan_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[Bucket]:
+def plan_buckets(params: Sequence[torch.Tensor], cap_bytes: int, in_place: Sequence[bool] = ()) -> list[Bucket]:
     """Groups ``params`` into buckets of at most ``cap_bytes`` (a larger parameter gets a bucket of its own).
 
     Parameters are taken in reverse registration order, the order backward usually produces their
     gradients, so the first buckets fill up first and their all-reduce overlaps the rest of backward.
-    Only parameters of one dtype and device share a bucket.
+    Only parameters of one dtype and device share a bucket. ``in_place[i]`` (default False) marks a
+    parameter whose gradient is reduced where it is: it counts toward the cap but takes no storage.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap {cap_bytes} bytes must be positive; pass bucket_cap_mb > 0")
@@ -58,31 +70,40 @@ def plan_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[Bucket]
             open_group[key], filled[g] = g, 0
         groups[g][1].append(i)
         filled[g] += size
-    return _lay_out(params, groups)
+    flags = list(in_place) or [False] * len(params)
+    if len(flags) != len(params):
+        raise ValueError(f"in_place has {len(flags)} entries for {len(params)} parameters")
+    return _lay_out(params, groups, flags)
 
 
 def _lay_out(
-    params: Sequence[torch.Tensor], groups: list[tuple[tuple[torch.dtype, torch.device], list[int]]]
+    params: Sequence[torch.Tensor],
+    groups: list[tuple[tuple[torch.dtype, torch.device], list[int]]],
+    in_place: Sequence[bool],
 ) -> list[Bucket]:
-    """Assigns offsets: per key, buckets follow each other in launch order, each aligned."""
+    """Assigns offsets to the packed parameters: per key, buckets follow each other in launch order, each aligned."""
     next_offset: dict[tuple[torch.dtype, torch.device], int] = {}
     buckets = []
     for index, (key, members) in enumerate(groups):
+        packed = [i for i in members if not in_place[i]]
         start = next_offset.get(key, 0)
         offsets, cursor = [], start
-        for i in members:
+        for i in packed:
             offsets.append(cursor)
             cursor += params[i].numel()
         align = max(1, _ALIGN_BYTES // params[members[0]].element_size())
         numel = -(-(cursor - start) // align) * align
         next_offset[key] = start + numel
-        buckets.append(Bucket(index, tuple(members), key, start, numel, tuple(offsets)))
+        own = tuple(i for i in members if in_place[i])
+        buckets.append(Bucket(index, tuple(packed), key, start, numel, tuple(offsets), own))
     return buckets
 
 
 def storage_sizes(buckets: Sequence[Bucket]) -> dict[tuple[torch.dtype, torch.device], int]:
-    """Elements of flat storage each key needs, keys in order of first use (identical on every rank)."""
+    """Elements of flat storage each key needs, keys in order of first use (identical on every rank); a key
+    whose parameters are all reduced in place needs none and is left out."""
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     for b in buckets:
-        sizes[b.key] = max(sizes.get(b.key, 0), b.offset + b.numel)
+        if b.numel:
+            sizes[b.key] = max(sizes.get(b.key, 0), b.offset + b.numel)
     return sizes

@@ -24,8 +24,8 @@ class DistributedDataParallel(nn.Module):
     At wrap, parameters and buffers are copied from rank 0 to every rank. In backward, gradients are
     grouped in buckets (reverse registration order, ``bucket_cap_mb`` each); a bucket's averaging
     all-reduce starts on the engine's thread as soon as all its gradients are ready, and ``backward()``
-    returns once every bucket is reduced. On CPU the buckets live in the engine's shared memory and each
-    ``param.grad`` is a view of its bucket: no copy in or out (see ``lightning_haiscale.ddp.reducer``).
+    returns once every bucket is reduced. On CPU a gradient of at least 1 MiB is reduced where autograd put
+    it, smaller ones are packed in shared-memory buckets (see ``lightning_haiscale.ddp.reducer``).
 
     Args:
         module: the model, already on its device.

@@ -46,3 +46,16 @@ def test_dtypes_never_share_a_bucket() -> None:
 def test_cap_must_be_positive() -> None:
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         plan_buckets(_params(4), cap_bytes=0)
+
+
+def test_in_place_parameters_count_toward_the_cap_but_take_no_storage() -> None:
+    params = _params(10, 1000, 20, 30)
+    buckets = plan_buckets(params, cap_bytes=4 * 1055, in_place=[False, True, False, False])
+    assert [(b.in_place, b.params) for b in buckets] == [((1,), (3, 2)), ((), (0,))]  # 30 + 20 + 1000, then 10
+    assert [b.members for b in buckets] == [(1, 3, 2), (0,)]
+    assert storage_sizes(buckets) == {(torch.float32, torch.device("cpu")): sum(b.numel for b in buckets)}
+    assert sum(b.numel for b in buckets) < 1000
+    only = plan_buckets(_params(1000), cap_bytes=4 * 8, in_place=[True])
+    assert only[0].numel == 0 and storage_sizes(only) == {}
+    with pytest.raises(ValueError, match="in_place has 1 entries for 2 parameters"):
+        plan_buckets(_params(4, 4), cap_bytes=64, in_place=[True])
