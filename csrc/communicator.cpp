@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -150,6 +151,20 @@ std::pair<size_t, size_t> slice(size_t count, int parts, int rank, size_t elem_s
   const size_t end = std::min(count, begin + lines_per_rank * per_line);
   return {begin, end};
 }
+
+// [Note: waiting on a shared core]
+// An asynchronous collective runs on the worker thread while its caller keeps computing (hai_ddp's
+// backward), so the rank has two busy threads. The worker spins only when every local rank has two cores;
+// otherwise it sleeps at once and leaves the core to that computation. (hai_ddp, 2 ranks on 2 cores,
+// GPT 85M: spinning cost about 27 ms of CPU a step, benchmarks/RESULTS.md.) A blocking collective runs on
+// the caller's thread, which has nothing else to do meanwhile: it spins `spin_iters` times.
+int worker_spin_iters(const Config& config) {
+  cpu_set_t cores;
+  CPU_ZERO(&cores);
+  const int count = sched_getaffinity(0, sizeof(cores), &cores) == 0 ? CPU_COUNT(&cores) : 1;
+  return 2 * config.local_size <= count ? config.spin_iters : 0;
+}
+
 }  // namespace
 
 struct Header {
@@ -265,6 +280,7 @@ Communicator::Communicator(Config config)
   }
   header_->peers[config_.local_rank].pid.store(static_cast<int32_t>(getpid()));
   header_->attached.fetch_add(1);
+  worker_spin_iters_ = worker_spin_iters(config_);
   worker_ = std::thread([this] { worker_loop(); });
 }
 
@@ -396,7 +412,8 @@ void Communicator::check_agreement() const {
 
 void Communicator::wait_for_peer(int peer, uint32_t generation) {
   PeerState& state = header_->peers[peer];
-  for (int i = 0; i < config_.spin_iters; ++i) {
+  const int spins = std::this_thread::get_id() == worker_.get_id() ? worker_spin_iters_ : config_.spin_iters;
+  for (int i = 0; i < spins; ++i) {
     if (reached(state.seq.load(std::memory_order_acquire), generation)) return;
     cpu_relax();
   }

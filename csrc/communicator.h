@@ -170,6 +170,7 @@ class Communicator {
   Fingerprint call_;         // the running collective, announced at its first barrier
   bool announced_ = true;    // call_ is in the header and was checked (false until its first barrier)
   int set_ = 0;              // staging set the next chunk uses (of kStagingSets)
+  int worker_spin_iters_ = 0;  // the worker's spin_iters: see [Note: waiting on a shared core]
 
   // [Note: two condition variables] The worker sleeps on work_cv_, woken only when work is queued or the
   // communicator stops; a synchronous call waits on idle_cv_ for earlier work to finish. With one shared
