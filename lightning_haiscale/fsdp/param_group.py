@@ -220,13 +220,15 @@ class FSDPParamGroup:
             grad = grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
             reduced = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             if self._reduce_work is not None:  # a second backward before finalize: keep the first result
-                self._accumulate_reduced()
+                self.finish_reduce()
             self._reduce_work = reduce_scatter_grads(self.comm, reduced, grad)
             self._reduced = reduced
             self.full.grad = None
         self.reshard()
 
-    def _accumulate_reduced(self) -> None:
+    def finish_reduce(self) -> None:
+        """Waits for the reduce-scatter in flight (if any) and adds its result to the pieces' ``.grad``; the
+        engine then lets go of the unsharded gradient it read, which is freed."""
         if self._reduce_work is None or self._reduced is None:
             return
         self._reduce_work.wait()
@@ -241,7 +243,7 @@ class FSDPParamGroup:
     def finalize_grads(self) -> None:
         """End of backward: wait for the reduce-scatter and add the result to the pieces' ``.grad``."""
         self.reshard()
-        self._accumulate_reduced()
+        self.finish_reduce()
 
     # --------------------------------------------------------------------- whole copies
 
