@@ -131,3 +131,8 @@ def test_gradient_homes_on_two_processes() -> None:
         _everything_in_place(plain._double_accumulation_matches_one_process),
     ]
     run_distributed(_run_all, 2, checks)
+
+
+def test_in_place_on_two_hosts_of_two_ranks() -> None:
+    """In-place gradients take the engine's hierarchical path across hosts (a job on its Python thread)."""
+    run_distributed(_run_all, 4, [_everything_in_place(plain._gpt_parity)], node_ids=["a", "a", "b", "b"])
