@@ -5,6 +5,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -61,7 +62,11 @@ def test_a_training_step_splits_its_batch_once(monkeypatch: pytest.MonkeyPatch, 
         default_root_dir=str(tmp_path),
     )  # fmt: skip
     module = Classifier()
-    trainer.fit(module, DataLoader(data(), batch_size=BATCH))
+    try:
+        trainer.fit(module, DataLoader(data(), batch_size=BATCH))
+    finally:
+        if dist.is_initialized():  # the strategy's one-process group: later tests in this process start clean
+            dist.destroy_process_group()
     assert len(splits) == 2 * STEPS  # x and y, once each per step
     expected, _ = reference(STEPS, BATCH)
     for k, v in expected.items():
