@@ -152,10 +152,11 @@ def _segments() -> list[str]:
 
 
 def _shm_too_small(rank: int, world: int) -> list[str]:
-    # DDP's gradient bucket: 1280 x 1025 fp32 = 5.0 MiB per rank, 10 MiB per host, where 10 MiB is left
-    # after DDP's communicator took its 6 MiB: it used to touch the pages and die of SIGBUS.
+    # DDP's gradient bucket: ten 256 -> 512 layers, each gradient under the reducer's 1 MiB in-place size so
+    # all share one packed bucket of 5.0 MiB per rank, 10 MiB per host, where 10 MiB is left after DDP's
+    # communicator took its 6 MiB: it used to touch the pages and die of SIGBUS.
     with pytest.raises(SharedMemoryTooSmallError, match=r"alloc_buffer.*needs 10\.0 MiB.*--shm-size"):
-        DistributedDataParallel(nn.Linear(1024, 1280))
+        DistributedDataParallel(nn.Sequential(*(nn.Linear(256, 512) for _ in range(10))))
     gc.collect()
     assert _segments() == []
     comm = Communicator(timeout=timedelta(seconds=30))

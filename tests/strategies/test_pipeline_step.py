@@ -56,6 +56,7 @@ def test_a_training_step_splits_its_batch_once(monkeypatch: pytest.MonkeyPatch, 
         return tensor_split(*args, **kwargs)
 
     monkeypatch.setattr(torch, "tensor_split", counting)
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # an earlier seed_everything() would reseed the sampler
     trainer = L.Trainer(
         strategy=PipeDreamStrategy(chunks=2), accelerator="cpu", devices=1, max_steps=STEPS, limit_val_batches=0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
