@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,7 +31,7 @@ from lightning_haiscale.fsdp.layout import ParamSlice, UnitLayout
 from lightning_haiscale.fsdp.wrap import ParamRef
 from lightning_haiscale.hfreduce import Communicator, Work
 
-__all__ = ["FSDPParamGroup", "ParamInfo", "ShardState"]
+__all__ = ["FSDPParamGroup", "ShardState"]
 
 
 class ShardState(enum.Enum):
@@ -44,31 +43,6 @@ class ShardState(enum.Enum):
     """An all-gather into ``full`` is in flight (a prefetch); wait before computing."""
     UNSHARDED = enum.auto()
     """``full`` holds every rank's shard; forward set the modules' attributes to views of it."""
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """An original parameter inside the flat layout.
-
-    Attributes:
-        fqns: names relative to the root module (several for a shared parameter).
-        holders: ``(module, attribute)`` pairs that hold it.
-        shape: its original shape.
-        piece_start: first element (of the flattened parameter) in this rank's piece.
-        piece_end: one past the last element in this rank's piece.
-        shard_offset: where the piece starts in ``flat_shard``.
-    """
-
-    fqns: tuple[str, ...]
-    holders: tuple[tuple[nn.Module, str], ...]
-    shape: torch.Size
-    piece_start: int
-    piece_end: int
-    shard_offset: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -102,11 +76,8 @@ class FSDPParamGroup:
         self.padded_numel = self.shard_numel * comm.world_size
         self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         self.infos = self._shard(refs)
-        self.layout = UnitLayout(
-            params=tuple(ParamSlice(i.fqns, i.shape, i.piece_start, i.piece_end, i.shard_offset) for i in self.infos),
-            shard_numel=self.shard_numel,
-            world_size=comm.world_size,
-        )
+        self._holders = [tuple(ref.holders) for ref in refs]  # (module, attribute) pairs holding each parameter
+        self.layout = UnitLayout(params=self.infos, shard_numel=self.shard_numel, world_size=comm.world_size)
         """The public face of this unit's sharding (names, shapes, this rank's slices)."""
         self.pieces = [
             nn.Parameter(self.piece(info), requires_grad=ref.param.requires_grad)
@@ -130,7 +101,7 @@ class FSDPParamGroup:
         self._reduced: torch.Tensor | None = None
         self.use_pieces()
 
-    def _shard(self, refs: list[ParamRef]) -> list[ParamInfo]:
+    def _shard(self, refs: list[ParamRef]) -> tuple[ParamSlice, ...]:
         """Copies this rank's slice of every parameter into ``flat_shard``."""
         lo = self.comm.rank * self.shard_numel
         hi = lo + self.shard_numel
@@ -142,24 +113,23 @@ class FSDPParamGroup:
                 flat = ref.param.detach().reshape(-1)[start - offset : end - offset]
                 self.flat_shard[start - lo : end - lo].copy_(flat)
             infos.append(
-                ParamInfo(
-                    fqns=tuple(ref.fqns),
-                    holders=tuple(ref.holders),
+                ParamSlice(
+                    names=tuple(ref.fqns),
                     shape=ref.param.shape,
-                    piece_start=start - offset,
-                    piece_end=end - offset,
+                    start=start - offset,
+                    end=end - offset,
                     shard_offset=start - lo,
                 )
             )
             offset += n
-        return infos
+        return tuple(infos)
 
     # ----------------------------------------------------------------------------- views
 
-    def piece(self, info: ParamInfo, flat: torch.Tensor | None = None) -> torch.Tensor:
+    def piece(self, info: ParamSlice, flat: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's piece of ``info``'s parameter as a view of ``flat`` (default: ``flat_shard``)."""
         flat = self.flat_shard if flat is None else flat
-        return flat[info.shard_offset : info.shard_offset + info.piece_end - info.piece_start]
+        return flat[info.shard_offset : info.shard_offset + info.end - info.start]
 
     def full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Every parameter as a view of an unsharded flat buffer ``full``, in original shapes."""
@@ -168,8 +138,8 @@ class FSDPParamGroup:
 
     def set_params(self, tensors: list[torch.Tensor]) -> None:
         """The modules hold ``tensors`` (one per parameter, in ``infos`` order) in the parameters' places."""
-        for info, tensor in zip(self.infos, tensors, strict=True):
-            for module, attr in info.holders:
+        for holders, tensor in zip(self._holders, tensors, strict=True):
+            for module, attr in holders:
                 module._parameters[attr] = tensor
 
     def use_pieces(self) -> None:
