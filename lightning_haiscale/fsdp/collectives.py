@@ -1,4 +1,4 @@
-"""The two collectives sharding needs, as free functions over the hfreduce engine (as in FSDP2).
+"""The collectives sharding needs, as free functions over the hfreduce engine (as in FSDP2).
 
 Every function issues exactly one engine collective (none for an empty tensor on every rank), so all
 ranks issue the same sequence as long as they run the same units in the same order.
@@ -11,7 +11,7 @@ import torch
 from lightning_haiscale.fsdp.layout import UnitLayout
 from lightning_haiscale.hfreduce import Communicator, Work
 
-__all__ = ["all_gather_shards", "gather_unit", "reduce_scatter_grads"]
+__all__ = ["all_gather_shards", "all_reduce_grad", "gather_unit", "reduce_scatter_grads"]
 
 
 def all_gather_shards(comm: Communicator, full: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Work | None:
@@ -29,7 +29,15 @@ def gather_unit(comm: Communicator, unit: UnitLayout, flat_shard: torch.Tensor) 
 
 def reduce_scatter_grads(comm: Communicator, shard_grad: torch.Tensor, full_grad: torch.Tensor) -> Work:
     """Starts averaging ``full_grad`` across ranks into this rank's slice ``shard_grad``; returns the handle."""
-    work = comm.reduce_scatter(shard_grad, full_grad, op="avg", async_op=True)
+    return _handle(comm.reduce_scatter(shard_grad, full_grad, op="avg", async_op=True), "reduce_scatter")
+
+
+def all_reduce_grad(comm: Communicator, grad: torch.Tensor) -> Work:
+    """Starts averaging ``grad`` across ranks in place; returns the handle."""
+    return _handle(comm.all_reduce(grad, op="avg", async_op=True), "all_reduce")
+
+
+def _handle(work: Work | None, collective: str) -> Work:
     if work is None:  # the engine always returns a handle for async_op=True
-        raise RuntimeError("hfreduce returned no handle for an asynchronous reduce_scatter")
+        raise RuntimeError(f"hfreduce returned no handle for an asynchronous {collective}")
     return work

@@ -6,11 +6,13 @@ all-gather (forward order recorded in the first forward), and installs the unsha
 post-forward hook reshards it (the root stays unsharded: its backward comes first) and registers a
 pre-backward hook on its outputs. Backward: the pre-backward hook unshards the unit again and, with
 ``BACKWARD_PRE``, starts the all-gather of the next unit in backward order (recorded in the first
-backward); the post-accumulate-grad hook of the unit's flat tensor (see param_group [Note: unsharded
-views and storage]) starts the averaging reduce-scatter (with ``BACKWARD_POST``, after starting the
-next all-gather) and reshards, then finishes the previous unit's reduce-scatter (see [Note: one
-reduce-scatter in flight]). A callback queued on the autograd engine by the root's pre-backward hook
-waits for the last reduce-scatter once the whole backward is done, and gives the pieces their ``.grad``.
+backward); once the post-accumulate-grad hooks of the unit's parameters (see param_group [Note: unsharded
+views and storage]) have all fired, the unit starts reducing its gradients (with ``BACKWARD_POST``, after
+starting the next all-gather) and reshards, then finishes the previous unit's reduction (see [Note: one
+reduce-scatter in flight]). Entering a unit's backward first starts reducing the gradients another,
+interrupted unit already has (param_group [Note: reducing a unit's gradients]). A callback queued on the
+autograd engine by the root's pre-backward hook waits for the last reductions once the whole backward is
+done, and gives the pieces their ``.grad``.
 All ranks must run the same units in the same order, as with torch FSDP.
 
 [Note: one reduce-scatter in flight]
@@ -19,8 +21,8 @@ collective is waited on. Waiting for all of them only at the end of backward kep
 gradient alive at once: the size of the whole model in fp32 (1.5 GiB of GPT-2 Medium's 406M parameters),
 the largest part of hai_fsdp's peak memory. So each unit's post-backward hook, after starting its own
 reduce-scatter, waits for the previous unit's: the engine runs collectives in order and that one had the
-current unit's whole backward to finish, so the wait is short, and at most two unsharded gradients live
-at once, as in FSDP2.
+current unit's whole backward to finish, so the wait is short, and at most two units' unsharded gradients
+live at once, as in FSDP2 (an interrupted unit's parts count as one of them).
 """
 
 from __future__ import annotations
@@ -176,8 +178,9 @@ class FullyShardedDataParallel(nn.Module):
 
     def _register_hooks(self) -> None:
         for unit, group in self._groups.items():
-            if group.requires_grad:
-                group.full.register_post_accumulate_grad_hook(functools.partial(self._post_backward, group))
+            for index, leaf in enumerate(group.leaves):
+                if leaf.requires_grad:
+                    leaf.register_post_accumulate_grad_hook(functools.partial(self._grad_arrived, group, index))
             if unit is not self.module:
                 unit.register_forward_pre_hook(functools.partial(self._unit_pre_forward, group))
                 unit.register_forward_hook(functools.partial(self._unit_post_forward, group))
@@ -240,6 +243,9 @@ class FullyShardedDataParallel(nn.Module):
         if id(group) in self._pre_backward_done:
             return
         self._pre_backward_done.add(id(group))
+        for other in self._groups.values():  # see param_group [Note: reducing a unit's gradients]
+            if other is not group and other.reduce_arrived():
+                self._reduction_started(other)
         if self._backward_order is None:
             self._recording.append(group)
         group.unshard()
@@ -247,18 +253,25 @@ class FullyShardedDataParallel(nn.Module):
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             _prefetch_after(self._backward_order, group)
 
-    def _post_backward(self, group: FSDPParamGroup, full: torch.Tensor) -> None:
+    def _grad_arrived(self, group: FSDPParamGroup, index: int, leaf: torch.Tensor) -> None:
         self._queue_finalize()
+        if group.grad_arrived(index, sync=self._sync_grads):
+            self._post_backward(group)
+
+    def _post_backward(self, group: FSDPParamGroup) -> None:
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             _prefetch_after(self._backward_order, group)
         group.reduce_grad(sync=self._sync_grads)
+        self._reduction_started(group)
+
+    def _reduction_started(self, group: FSDPParamGroup) -> None:
         previous, self._reducing = self._reducing, group
         if previous is not None and previous is not group:
             previous.finish_reduce()  # see [Note: one reduce-scatter in flight]
 
     def _finalize_backward(self) -> None:
         for group in self._groups.values():
-            group.finalize_grads()
+            group.finalize_grads(sync=self._sync_grads)
         if self._backward_order is None:
             self._backward_order, self._recording = self._recording, []
         self._pre_backward_done.clear()

@@ -7,26 +7,39 @@ A unit's parameters, flattened and concatenated in module order, form ``N`` elem
 an ``nn.Parameter`` viewing ``flat_shard``; the optimizer sees only pieces, so its state is sharded too.
 
 [Note: unsharded views and storage]
-``full`` is one persistent leaf tensor (``requires_grad``) of ``S * world`` elements. Unsharding fills its
-storage by an all-gather; resharding resizes the storage to zero bytes. Forward sets the module
-attributes to views from one ``torch.split(full)``, so autograd has one ``SplitBackward`` node per
-unit and accumulates the unit's whole gradient into ``full.grad`` at once: its post-accumulate-grad
-hook is the unit's "backward done" signal. Tensors saved for backward are views of ``full``'s storage;
-the pre-backward unshard refills the same storage before they are read. The engine writes through
-``_comm_full``, an alias of the storage with its own version counter, so refilling never looks like an
-in-place change to autograd.
+``full`` is one persistent tensor of ``S * world`` elements. Unsharding fills its storage by an all-gather;
+resharding resizes the storage to zero bytes. Each parameter is a persistent autograd leaf of its own
+(``leaves``) viewing ``full``'s storage in its original shape, with its own version counter, so refilling
+the storage never looks like an in-place change to autograd. Forward gives the modules the leaves, so
+autograd accumulates each parameter's gradient into that leaf's ``.grad`` as soon as its last use is
+done; nothing concatenates a unit's gradients before the unit decides how to reduce them (see
+[Note: reducing a unit's gradients]). Tensors saved for backward are views of ``full``'s storage; the
+pre-backward unshard refills the same storage before they are read.
+
+[Note: reducing a unit's gradients]
+When every parameter of the unit that needs a gradient has one (the unit's backward is done), the
+gradients are copied into one flat buffer in the reduce dtype (zeros for parameters that got none) and
+reduce-scattered into this rank's shard: one collective per unit. A unit whose backward is interrupted
+by another unit's (the root: its head's gradient is complete at the first backward op, its embedding's
+at the last) would keep the gradients it has across the other units' backward and then need a second,
+flat copy of all of them: 1.2 GiB at GPT-2 Medium's end of backward. So when backward enters another
+unit, the gradients this unit already has are reduced at once, each all-reduced on its own in place, and
+only this rank's piece of each is kept, in the unit's reduced shard (zeros until then); the rest of that
+unit's gradients follow the same way. An all-reduce moves twice the bytes of a reduce-scatter, on these
+parameters only; in exchange no unsharded gradient outlives its reduction, and there is no flat copy.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from lightning_haiscale.fsdp.api import MixedPrecision
-from lightning_haiscale.fsdp.collectives import all_gather_shards, gather_unit, reduce_scatter_grads
+from lightning_haiscale.fsdp.collectives import all_gather_shards, all_reduce_grad, gather_unit, reduce_scatter_grads
 from lightning_haiscale.fsdp.layout import ParamSlice, UnitLayout
 from lightning_haiscale.fsdp.wrap import ParamRef
 from lightning_haiscale.hfreduce import Communicator, Work
@@ -87,19 +100,28 @@ class FSDPParamGroup:
         self.param_dtype = mp.param_dtype or self.dtype
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype
         self.full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
-        self._comm_full = torch.empty(0, dtype=self.param_dtype, device=device).set_(
-            self.full.untyped_storage(), 0, (self.padded_numel,)
-        )
+        self.leaves = self._make_leaves()
+        """Each parameter as an autograd leaf viewing ``full``'s storage (see [Note: unsharded views and storage])."""
         _free(self.full)
-        self.requires_grad = any(p.requires_grad for p in self.pieces)
-        self.full.requires_grad_(self.requires_grad)
-        pad = self.padded_numel - total
-        self._split_sizes = [info.numel for info in self.infos] + ([pad] if pad else [])
+        self._needs_grad = sum(p.requires_grad for p in self.pieces)
         self.state = ShardState.SHARDED
         self._unshard_work: Work | None = None
-        self._reduce_work: Work | None = None
-        self._reduced: torch.Tensor | None = None
+        self._arrived: set[int] = set()  # parameters whose gradient of this backward is complete
+        self._waiting: list[int] = []  # ... of those, the ones not yet reduced
+        self._reductions: list[tuple[Work, Callable[[], None]]] = []  # in flight, each with what ends it
+        self._reduced: torch.Tensor | None = None  # this backward's reduced shard, until finalize_grads
+        self._in_parts = False  # this backward reduces the unit parameter by parameter
         self.use_pieces()
+
+    def _make_leaves(self) -> list[torch.Tensor]:
+        """One leaf per parameter over ``full``'s storage (allocated: ``set_`` checks the bounds)."""
+        leaves, offset = [], 0
+        storage = self.full.untyped_storage()
+        for info, piece in zip(self.infos, self.pieces, strict=True):
+            leaf = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(storage, offset, info.shape)
+            leaves.append(leaf.requires_grad_(piece.requires_grad))
+            offset += info.numel
+        return leaves
 
     def _shard(self, refs: list[ParamRef]) -> tuple[ParamSlice, ...]:
         """Copies this rank's slice of every parameter into ``flat_shard``."""
@@ -133,8 +155,7 @@ class FSDPParamGroup:
 
     def full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Every parameter as a view of an unsharded flat buffer ``full``, in original shapes."""
-        views = torch.split(full, self._split_sizes)
-        return [view.view(info.shape) for view, info in zip(views, self.infos, strict=False)]
+        return self.layout.full_views(full)
 
     def set_params(self, tensors: list[torch.Tensor]) -> None:
         """The modules hold ``tensors`` (one per parameter, in ``infos`` order) in the parameters' places."""
@@ -147,8 +168,8 @@ class FSDPParamGroup:
         self.set_params(self.pieces)
 
     def use_unsharded_views(self) -> None:
-        """The modules hold views of ``full`` that autograd routes to ``full.grad``."""
-        self.set_params(self.full_views(self.full))
+        """The modules hold the leaves viewing ``full`` (autograd fills each one's ``.grad``)."""
+        self.set_params(self.leaves)
 
     # ----------------------------------------------------------------------- transitions
 
@@ -158,7 +179,7 @@ class FSDPParamGroup:
             return
         _alloc(self.full)
         shard = self.flat_shard if self.param_dtype == self.dtype else self.flat_shard.to(self.param_dtype)
-        self._unshard_work = all_gather_shards(self.comm, self._comm_full, shard, async_op=True)
+        self._unshard_work = all_gather_shards(self.comm, self.full, shard, async_op=True)
         self.state = ShardState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -182,38 +203,91 @@ class FSDPParamGroup:
 
     # ------------------------------------------------------------------------- gradients
 
+    def grad_arrived(self, index: int, sync: bool) -> bool:
+        """Parameter ``index``'s gradient of this backward is complete on its leaf; True once every parameter
+        of the unit that needs one has it (the unit's backward is done)."""
+        self._arrived.add(index)
+        if sync:
+            self._waiting.append(index)
+        return len(self._arrived) == self._needs_grad
+
+    def reduce_arrived(self) -> bool:
+        """Backward moved on to another unit: starts all-reducing the gradients that arrived and are not
+        reduced yet (see [Note: reducing a unit's gradients]); True if there were any."""
+        waiting = [i for i in self._waiting if self.leaves[i].grad is not None]
+        self._waiting.clear()
+        for index in waiting:
+            self._all_reduce(index)
+        return bool(waiting)
+
     def reduce_grad(self, sync: bool) -> None:
-        """After the unit's backward: start reduce-scattering ``full.grad`` (unless ``sync`` is False, when
-        it keeps accumulating for a later backward, as under ``no_sync()``), then reshard."""
-        grad = self.full.grad
-        if grad is not None and sync:
-            grad = grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
-            reduced = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            if self._reduce_work is not None:  # a second backward before finalize: keep the first result
-                self.finish_reduce()
-            self._reduce_work = reduce_scatter_grads(self.comm, reduced, grad)
-            self._reduced = reduced
-            self.full.grad = None
+        """After the unit's backward: starts reducing its gradients (unless ``sync`` is False, when they keep
+        accumulating on the leaves for a later backward, as under ``no_sync()``), then reshards."""
+        self._waiting.clear()
+        grads = [i for i, leaf in enumerate(self.leaves) if leaf.grad is not None]
+        if sync and grads:
+            if self._in_parts:
+                for index in grads:
+                    self._all_reduce(index)
+            else:
+                self._reduce_scatter()
         self.reshard()
 
+    def _reduce_scatter(self) -> None:
+        if self._reduced is not None:  # a second reduction in one backward: keep the first result
+            self.finish_reduce()
+            self._hand_over()
+        flat = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
+        flat[sum(info.numel for info in self.infos) :].zero_()  # the padding
+        for view, leaf in zip(self.full_views(flat), self.leaves, strict=True):
+            if leaf.grad is None:
+                view.zero_()
+            else:
+                view.copy_(leaf.grad)
+                leaf.grad = None
+        self._reduced = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        self._reductions.append((reduce_scatter_grads(self.comm, self._reduced, flat), lambda: None))
+
+    def _all_reduce(self, index: int) -> None:
+        leaf, info = self.leaves[index], self.infos[index]
+        grad = leaf.grad.reshape(-1).to(self.reduce_dtype)
+        leaf.grad = None
+        if self._reduced is None:
+            self._reduced = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        work = all_reduce_grad(self.comm, grad)
+        piece = self.piece(info, self._reduced)
+        self._reductions.append((work, lambda: piece.add_(grad[info.start : info.end])))
+        self._in_parts = True
+
     def finish_reduce(self) -> None:
-        """Waits for the reduce-scatter in flight (if any) and adds its result to the pieces' ``.grad``; the
-        engine then lets go of the unsharded gradient it read, which is freed."""
-        if self._reduce_work is None or self._reduced is None:
+        """Waits for this unit's reductions in flight (if any) and keeps this rank's part of each; the engine
+        then lets go of the unsharded gradients it read, which are freed."""
+        for work, done in self._reductions:
+            work.wait()
+            done()
+        self._reductions.clear()
+
+    def _hand_over(self) -> None:
+        """Adds the reduced shard to the pieces' ``.grad``."""
+        reduced, self._reduced = self._reduced, None
+        if reduced is None:
             return
-        self._reduce_work.wait()
-        reduced = self._reduced if self._reduced.dtype == self.dtype else self._reduced.to(self.dtype)
+        reduced = reduced if reduced.dtype == self.dtype else reduced.to(self.dtype)
         for info, piece in zip(self.infos, self.pieces, strict=True):
             if piece.requires_grad:
                 grad = self.piece(info, reduced)
                 piece.grad = grad if piece.grad is None else piece.grad.add_(grad)
-        self._reduce_work = None
-        self._reduced = None
 
-    def finalize_grads(self) -> None:
-        """End of backward: wait for the reduce-scatter and add the result to the pieces' ``.grad``."""
+    def finalize_grads(self, sync: bool) -> None:
+        """End of backward: reduces the gradients of a unit whose backward never completed (some parameters
+        got none), waits for the reductions and adds the result to the pieces' ``.grad``."""
+        if self._waiting:
+            self.reduce_grad(sync)
         self.reshard()
         self.finish_reduce()
+        self._hand_over()
+        self._arrived.clear()
+        self._in_parts = False
 
     # --------------------------------------------------------------------- whole copies
 
