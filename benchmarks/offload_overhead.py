@@ -20,9 +20,10 @@ load from other processes hits them alike:
 Reported per column: step time (median), the overhead per saved tensor ((step - no hooks) / the number
 of pack hook calls of one step), and that overhead over save_on_cpu's. A second table times the hooks
 alone: each column's region entered, its pack hook called on every tensor one forward saves, its unpack
-hook on every handle, the region left; best of ``--hook-repeats``, less the same loop with identity
-hooks, per saved tensor. It leaves out autograd and the model, so it moves little when other processes
-load the machine: the figure to compare under load.
+hook on every handle, the region left; best of ``--hook-repeats`` (each on the tensors of a fresh
+forward, the columns taking turns in blocks), less the same loop with identity hooks, per saved tensor.
+It leaves out autograd and the model, so it moves little when other processes load the machine: the
+figure to compare under load.
 """
 
 from __future__ import annotations
@@ -132,10 +133,15 @@ def _installed_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], t
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
-def time_hooks(make_region: Callable[[], Any], saved: Sequence[torch.Tensor], repeats: int) -> float:
-    """Best time in µs of: enter a region, pack every tensor of ``saved``, unpack every handle, leave."""
+def time_hooks(make_region: Callable[[], Any], make_saved: Callable[[], Sequence[torch.Tensor]], repeats: int) -> float:
+    """Best time in µs of: enter a region, pack every tensor one forward saved, unpack every handle, leave.
+
+    Each repeat packs the tensors of a fresh forward (made outside the timed part), as a step does: hooks
+    that leave state on a tensor or its storage would otherwise find it there from the previous repeat.
+    """
     best = float("inf")
     for _ in range(repeats):
+        saved = make_saved()
         start = time.perf_counter()
         with make_region():
             pack, unpack = _installed_hooks()
@@ -143,19 +149,32 @@ def time_hooks(make_region: Callable[[], Any], saved: Sequence[torch.Tensor], re
         unpacked = [unpack(h) for h in handles]
         del handles, unpacked  # the handles' release is part of the cost (offloaded ones give back buffers)
         best = min(best, time.perf_counter() - start)
+        del saved
     return best * 1e6
 
 
-def measure_hooks(results: Sequence[Result], saved: Sequence[torch.Tensor], repeats: int) -> None:
-    """Fills each hooked column's cost of the hooks alone (over identity hooks) and its ratio to the peer's."""
+def measure_hooks(
+    results: Sequence[Result], make_saved: Callable[[], Sequence[torch.Tensor]], repeats: int, blocks: int = 10
+) -> None:
+    """Fills each hooked column's cost of the hooks alone (over identity hooks) and its ratio to the peer's.
+
+    The columns take turns in ``blocks`` blocks of repeats, in alternating order, so that load from other
+    processes hits them alike; each keeps its best time.
+    """
     made = dict(columns())
 
     def identity() -> Any:
         return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
 
-    base = time_hooks(identity, saved, repeats)
+    timed = [("identity", identity)] + [(r.name, made[r.name]) for r in results[1:]]
+    best = {name: float("inf") for name, _ in timed}
+    per_block = max(1, repeats // blocks)
+    for block in range(max(1, min(blocks, repeats))):
+        for name, make_region in timed if block % 2 == 0 else timed[::-1]:
+            best[name] = min(best[name], time_hooks(make_region, make_saved, per_block))
+    saved = len(make_saved())
     for r in results[1:]:
-        r.hooks_us_per_tensor = (time_hooks(made[r.name], saved, repeats) - base) / len(saved)
+        r.hooks_us_per_tensor = (best[r.name] - best["identity"]) / saved
     peer = next(r for r in results if r.name == PEER).hooks_us_per_tensor
     for r in results[1:]:
         r.hooks_vs_peer = r.hooks_us_per_tensor / peer if peer and peer > 0 else None
@@ -173,8 +192,9 @@ def measure(model: nn.Module, loss_fn: Callable[[], torch.Tensor], args: argpars
     made = columns()
     times: list[list[float]] = [[] for _ in made]
     last: list[Any] = [None] * len(made)
+    order = list(enumerate(made))
     for round_ in range(args.warmup + args.steps):
-        for i, (_, make_region) in enumerate(made):
+        for i, (_, make_region) in order if round_ % 2 == 0 else order[::-1]:  # no column always follows another
             start = time.perf_counter()
             last[i] = make_region()
             step(model, loss_fn, last[i])
@@ -235,13 +255,11 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model, loss_fn = build(args)
-    tensors = saved_tensors(loss_fn)
-    saved = len(tensors)
+    saved = len(saved_tensors(loss_fn))
     reset_offload_stats()
     results = measure(model, loss_fn, args)
     add_overheads(results, saved)
-    measure_hooks(results, tensors, args.hook_repeats)
-    del tensors
+    measure_hooks(results, lambda: saved_tensors(loss_fn), args.hook_repeats)
     shape = f"context {args.seq}" if args.model == "gpt" else f"width {args.width}"
     setup = (
         f"model={args.model} ({args.layers} layers, batch {args.batch}, {shape}), {saved} saved tensors per step, "

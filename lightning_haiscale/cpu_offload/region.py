@@ -7,8 +7,10 @@ half of it) are copied once, however many views of them are saved (``q``, ``k`` 
 projection are one copy), and each view is rebuilt in backward with its own dtype, size, stride and
 offset, so backward sees exactly the layout the forward saved. Parameters, views of parameters and
 other leaves that require grad stay resident and are not counted; so are tensors on other devices (CPU
-tensors unless ``force_copy``) and tensors this layer cannot rebuild (sparse, conjugated, tensor
-subclasses).
+tensors unless ``force_copy``), tensors without a storage (sparse, mkldnn) and tensor subclasses. A
+conjugate or negative view counts (its bytes are saved like any other) but stays resident: the bit is
+not in the bytes, so the copy path could not rebuild it (like a span under ``min_bytes``, it is no
+candidate for the selection).
 
 [Note: recognising a span]
 A span is keyed by (the id of a weak reference to its storage, the storage's address, first byte, byte
@@ -40,15 +42,28 @@ is a cost per step (``benchmarks/offload_overhead.py`` measures it against ``sav
   (no dispatcher call). The two differ only in the version counter, which ``.data`` does not share:
   autograd checks no versions of tensors that went through saved-tensor hooks, so none is read.
 - A region at ratio 0 never offloads (the selection takes nothing when its target is 0), so it
-  installs a leaner pair: pack, a closure, notes the span in a dict under its key (one ``setdefault``,
-  no lock: saves of a span seen before add nothing) and returns the handle, unpack returns it, and the
-  noted spans are summed when the region exits, by the same rule as at any other ratio: the statistics
-  and the measurement for the next entry's plan are the same. Nothing in it touches a device: no
-  event, stream, synchronization or host buffer per saved tensor.
+  installs a leaner pair (see [Note: counting at ratio 0]): unpack returns the handle, and nothing in
+  either touches a device: no event, stream, synchronization or host buffer per saved tensor.
 - At other ratios a resident tensor's handle is a plain ``(seq, tensor)`` tuple, and its unpack takes
   the lock only while copies are left to retire or prefetch.
 - The checks that decide whether a tensor counts run cheapest and most decisive first (a view of a
-  parameter ends at its ``_base``).
+  parameter ends at its ``_base``; an activation base ends at ``is_leaf``; a layout without a storage
+  ends at the exception of ``untyped_storage()``, which costs nothing until raised).
+
+[Note: counting at ratio 0]
+Ratio 0 must still count (``offload_stats``: bytes and spans saved, each span once; the tag's next
+entry plans from the candidate sizes), by the rule of the other ratios: tests compare the two. Its pack
+is one closure over locals, and it marks each counted storage instead of keying a dict: the storage's
+Python object carries an attribute ``(this entry's token, the storage's address, its counted spans)``.
+torch keeps one Python object per live storage (``t.untyped_storage() is t.untyped_storage()``, since
+torch 2.1: the object lives as long as the storage), so the mark is found by every later save of the
+storage in the entry, and dies with it: a storage freed and replaced at the same address has no mark,
+a later entry's token differs, and a storage resized meanwhile has another address, so each of those
+counts anew, as in the general path's key (see [Note: recognising a span]). The mark is two
+attribute accesses where the key was a weak reference, the address, a tuple and a dict (measured in
+``benchmarks/RESULTS.md``); it holds no tensor, so a dropped graph frees everything it saved. A span
+counted goes to a list, summed when the region exits; whether it is a candidate (at least
+``min_bytes``, rebuildable) is read only for those large enough.
 """
 
 from __future__ import annotations
@@ -58,8 +73,8 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -79,8 +94,7 @@ _TENSOR = torch.Tensor
 _PARAMETER = nn.Parameter
 
 
-@dataclass(frozen=True)
-class _Options:
+class _Options(NamedTuple):  # a tuple: built once per region entry, cheaper than a frozen dataclass
     offload_ratio: float
     min_bytes: int
     max_inflight_bytes: int
@@ -143,6 +157,8 @@ class _Offloaded:
 # A saved tensor kept as is: (save order, the tensor detached, so a handle never owns its graph node).
 _Resident = tuple[int, torch.Tensor]
 
+_Key = tuple[int, int, int, int]  # (id of the storage's weak reference, address, first byte, byte count)
+
 # What ``_Run._seen`` knows of a span: a weak reference to its storage (held, so that its id stays
 # unique) and its copy, None when the span is kept resident.
 _Seen = tuple[weakref.ref, _Stored | None]
@@ -152,38 +168,53 @@ def _span_of(t: torch.Tensor, cpu_too: bool) -> tuple[torch.UntypedStorage, int,
     """(storage, first byte, byte count) that ``t`` adds to the region; None: not counted, never copied.
 
     ``t`` is not a leaf that requires grad (both pack hooks keep those before asking). The span is the
-    whole storage unless ``t`` covers under half of it. Checks run cheapest first.
+    whole storage unless ``t`` covers under half of it. The same rule as the ratio-0 pack, spelled as it
+    is there (see [Note: counting at ratio 0]).
     """
-    if not ((cpu_too and t.is_cpu) or t.is_cuda):
-        return None
-    base = t._base  # views of parameters stay resident too (first: they are common, and this ends them)
+    if type(t) is not _TENSOR or (not t.requires_grad and getattr(t, "_is_param", False)):
+        return None  # a subclass, a frozen parameter
+    base = t._base
     if base is not None and _parameter_like(base):
         return None
-    # _parameter_like(t), spelled out for a plain tensor: this runs for every saved tensor
-    if type(t) is not _TENSOR or t.layout is not _STRIDED or t.is_conj() or t.is_neg():
+    if not ((cpu_too and t.is_cpu) or t.is_cuda):
         return None
-    if getattr(t, "_is_param", False):
+    try:
+        storage = t.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # sparse, mkldnn and other layouts without a storage
         return None
-    if t.is_contiguous():  # the extent is the element count (empty tensors are contiguous)
-        nbytes = t.nbytes
-        if not nbytes:
-            return None
-    else:  # extent: 1 + sum((size - 1) * stride); every size is >= 1 (else it would be contiguous)
-        stride = t.stride()
-        nbytes = t.element_size() * (1 + sum(map(operator.mul, t.size(), stride)) - sum(stride))
-    storage = t.untyped_storage()
     total = storage.nbytes()
+    nbytes = _extent(t)
+    if not nbytes:
+        return None
     return (storage, 0, total) if 2 * nbytes >= total else (storage, t.storage_offset() * t.element_size(), nbytes)
 
 
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to its last: its element count when contiguous (empty ones are)."""
+    if t.is_contiguous():
+        return t.nbytes
+    stride = t.stride()  # every size is >= 1 (else it would be contiguous): 1 + sum((size - 1) * stride)
+    return t.element_size() * (1 + sum(map(operator.mul, t.size(), stride)) - sum(stride))
+
+
 def _parameter_like(x: torch.Tensor) -> bool:
-    """A parameter, or a leaf that requires grad: resident whatever we do."""
-    if x.requires_grad and x.is_leaf:  # first: a trainable parameter ends here
-        return True
-    # For a plain tensor, ``isinstance(x, nn.Parameter)`` is the ``_is_param`` flag its metaclass reads
-    # (read directly here: the metaclass check is the most expensive step of a pack).
+    """A parameter, or a leaf that requires grad: resident whatever we do.
+
+    A parameter is a leaf, so an activation (the common base) ends at ``is_leaf``. For a plain tensor,
+    ``isinstance(x, nn.Parameter)`` is the ``_is_param`` flag its metaclass reads (read directly: the
+    metaclass check is the most expensive step of a pack).
+    """
     cls = type(x)
-    return cls is _PARAMETER or bool(getattr(x, "_is_param", False) if cls is _TENSOR else isinstance(x, nn.Parameter))
+    if cls is _PARAMETER:
+        return True
+    if not x.is_leaf:
+        return False
+    return x.requires_grad or bool(getattr(x, "_is_param", False) if cls is _TENSOR else isinstance(x, nn.Parameter))
+
+
+def _rebuildable(t: torch.Tensor) -> bool:
+    """Whether the copy path can rebuild ``t`` from its bytes (a conjugate or negative bit is not in them)."""
+    return not (t.is_conj() or t.is_neg())
 
 
 def _intact(source: torch.Tensor, ptr: int) -> bool:
@@ -202,31 +233,105 @@ def _keep(handle: torch.Tensor) -> torch.Tensor:
     return handle
 
 
-_Key = tuple[int, int, int, int]  # (id of the storage's weak reference, address, first byte, byte count)
+# The attribute of a storage that the ratio-0 pack marks it with: (the run's token, the storage's address,
+# None when only the whole storage was counted, else the set of counted spans, None for the whole one).
+_MARK = "_lightning_haiscale_offload_counted"
+_Mark = tuple[object, int, "set[tuple[int, int] | None] | None"]
 
 
-def _counting_pack(kept: dict[_Key, weakref.ref], cpu_too: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The pack hook of a region that offloads nothing: keeps ``t``, notes its span in ``kept`` (once).
-
-    A closure over locals, not a method: it runs for every saved tensor (see [Note: the cost of the hooks]).
+def _counting_pack(
+    sizes: list[int], candidates: list[int], cpu_too: bool, min_bytes: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The pack hook of a region that offloads nothing: keeps ``t``; a span counted the first time goes to
+    ``sizes``, and to ``candidates`` if the copy path could take it. The rule is ``_span_of``'s and
+    ``_Run._count``'s, inlined: this closure runs for every saved tensor (see [Note: counting at ratio 0]).
     """
-    ref_of = weakref.ref
+    token = object()  # this run's: a storage marked with another run's token is new here
+    count, candidate = sizes.append, candidates.append
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.requires_grad:
             if t.is_leaf:
                 return t  # a parameter: not counted, and it owns no graph node
-            handle = t.data if type(t) is _TENSOR else t.detach()  # see [Note: the cost of the hooks]
+            if type(t) is not _TENSOR:
+                return t.detach()  # a subclass: not counted
+            handle = t.data  # see [Note: the cost of the hooks]
+        elif type(t) is not _TENSOR or getattr(t, "_is_param", False):
+            return t  # a subclass or a frozen parameter: not counted, and no graph node
         else:
-            handle = t  # no graph node to own
-        span = _span_of(t, cpu_too)
-        if span is not None:
-            storage, start, nbytes = span
-            ref = ref_of(storage)  # see [Note: recognising a span]
-            kept.setdefault((id(ref), storage.data_ptr(), start, nbytes), ref)  # atomic: no lock
+            handle = t
+        base = t._base
+        if base is not None and (type(base) is _PARAMETER or (base.is_leaf and _parameter_like(base))):
+            return handle  # a view of a parameter
+        if not ((cpu_too and t.is_cpu) or t.is_cuda):
+            return handle
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # sparse, mkldnn and other layouts without a storage
+            return handle
+        total = storage.nbytes()
+        nbytes = t.nbytes if t.is_contiguous() else _extent(t)
+        if 2 * nbytes >= total:
+            if not nbytes:
+                return handle
+            span, nbytes = None, total
+        else:
+            span = (t.storage_offset() * t.element_size(), nbytes)
+        mark: _Mark | None = getattr(storage, _MARK, None)
+        address = storage.data_ptr()
+        if mark is None or mark[0] is not token or mark[1] != address:
+            setattr(storage, _MARK, (token, address, None if span is None else {span}))
+        elif mark[2] is None:  # only the whole storage was counted
+            if span is None:
+                return handle
+            setattr(storage, _MARK, (token, address, {None, span}))
+        elif span in mark[2]:
+            return handle
+        else:
+            mark[2].add(span)
+        count(nbytes)
+        if nbytes >= min_bytes and not (t.is_conj() or t.is_neg()):
+            candidate(nbytes)
         return handle
 
     return pack
+
+
+_NO_COPIES = CopyClock()  # the clock of every ratio-0 entry: nothing is ever added to it
+
+
+class _CountingRun:
+    """One entry of a region at ratio 0: nothing is offloaded, so nothing but the count is kept."""
+
+    def __init__(self, options: _Options) -> None:
+        self.sizes: list[int] = []  # every span counted, in save order
+        self.candidates: list[int] = []  # those the copy path could take: the next entry's plan
+        self._pack = _counting_pack(self.sizes, self.candidates, options.force_copy, options.min_bytes)
+
+    def hooks(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+        return self._pack, _keep
+
+    def finish(self, record: RegionRecord) -> None:
+        """Ends the forward: the measurement becomes the next entry's plan; statistics are recorded."""
+        _record_entry(record, self.candidates, sum(self.sizes), 0, len(self.sizes), 0, _NO_COPIES)
+
+
+def _record_entry(
+    record: RegionRecord,
+    candidates: list[int],
+    bytes_saved: int,
+    bytes_offloaded: int,
+    tensors_saved: int,
+    tensors_offloaded: int,
+    clock: CopyClock,
+) -> None:
+    record.candidate_sizes, record.bytes_saved, record.clock = candidates, bytes_saved, clock
+    stats = record.stats
+    stats.entries += 1
+    stats.bytes_saved, stats.bytes_offloaded = bytes_saved, bytes_offloaded
+    stats.tensors_saved, stats.tensors_offloaded = tensors_saved, tensors_offloaded
+    stats.total_bytes_saved += bytes_saved
+    stats.total_bytes_offloaded += bytes_offloaded
 
 
 class _Run:
@@ -238,10 +343,9 @@ class _Run:
         self._lock = threading.RLock()
         self._seq = 0
         self._seen: dict[_Key, _Seen] = {}
-        self._kept: dict[_Key, weakref.ref] = {}  # spans the ratio-0 pack noted, counted at the end
         self._transfers: dict[torch.device, Transfer] = {}
         self._planned = record.candidate_sizes
-        planless = self._planned is None or options.offload_ratio == 0  # ratio 0 counts at exit, with no plan
+        planless = self._planned is None
         self._plan = None if planless else plan_offload(self._planned, record.bytes_saved, options.offload_ratio)
         self._streaming = StreamingSelector(options.offload_ratio)
         self.sizes: list[int] = []  # candidate sizes seen, in save order: the next entry's plan
@@ -253,9 +357,6 @@ class _Run:
         self._pending_bytes = 0
 
     def hooks(self) -> tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor]]:
-        """(pack, unpack). At ratio 0 nothing is ever offloaded: the pair that only counts."""
-        if self.options.offload_ratio == 0:
-            return _counting_pack(self._kept, self.options.force_copy), _keep
         return self.pack, self.unpack
 
     # -- forward ------------------------------------------------------------------------------------
@@ -284,7 +385,9 @@ class _Run:
             self._seen[key] = (ref, stored)
             return stored
         stored = seen[1]
-        if stored is not None and not stored.handles:  # every earlier save of it was released: copy again
+        if stored is None or not _rebuildable(t):  # a conjugate view of an offloaded span stays resident
+            return None
+        if not stored.handles:  # every earlier save of it was released: copy again
             stored = self._offload(t, storage, start, nbytes, seq)
             self._seen[key] = (ref, stored)
         return stored
@@ -293,26 +396,18 @@ class _Run:
         self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int, seq: int
     ) -> _Stored | None:
         """Counts a new span and offloads it if the selection says so."""
-        if not self._count(nbytes):
+        if not self._count(t, nbytes):
             return None
         self.bytes_offloaded += nbytes
         self.tensors_offloaded += 1
         return self._offload(t, storage, start, nbytes, seq)
 
-    def _count(self, nbytes: int) -> bool:
-        """Counts a new span; whether the selection offloads it."""
+    def _count(self, t: torch.Tensor, nbytes: int) -> bool:
+        """Counts a new span; whether the selection offloads it. Only a span of at least ``min_bytes`` that the
+        copy path can rebuild is a candidate (the ratio-0 pack keeps the same list)."""
         self.bytes_saved += nbytes
         self.tensors_saved += 1
-        return nbytes >= self.options.min_bytes and self._choose(len(self.sizes), nbytes)
-
-    def _count_kept(self) -> None:
-        """Counts the spans the ratio-0 pack noted, each once, in save order: what ``_count`` does at ratio 0,
-        where the selection takes nothing (so only the candidate sizes are kept for the plan)."""
-        sizes = [key[3] for key in self._kept]
-        self._kept.clear()
-        self.bytes_saved += sum(sizes)
-        self.tensors_saved += len(sizes)
-        self.sizes += [n for n in sizes if n >= self.options.min_bytes]
+        return nbytes >= self.options.min_bytes and _rebuildable(t) and self._choose(len(self.sizes), nbytes)
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int, seq: int) -> _Stored:
         """Starts the copy out of a span; bounds the device bytes still waiting for theirs."""
@@ -375,16 +470,9 @@ class _Run:
     def finish(self, record: RegionRecord) -> None:
         """Ends the forward: the measurement becomes the next entry's plan; statistics are recorded."""
         with self._lock:
-            self._count_kept()
             self._seen.clear()
-            record.candidate_sizes, record.bytes_saved = self.sizes, self.bytes_saved
-            record.clock = self.clock
-            stats = record.stats
-            stats.entries += 1
-            stats.bytes_saved, stats.bytes_offloaded = self.bytes_saved, self.bytes_offloaded
-            stats.tensors_saved, stats.tensors_offloaded = self.tensors_saved, self.tensors_offloaded
-            stats.total_bytes_saved += self.bytes_saved
-            stats.total_bytes_offloaded += self.bytes_offloaded
+            counts = (self.bytes_saved, self.bytes_offloaded, self.tensors_saved, self.tensors_offloaded)
+            _record_entry(record, self.sizes, *counts, self.clock)
 
     # -- backward -----------------------------------------------------------------------------------
 
@@ -481,16 +569,18 @@ class CPUOffload:
         force_copy: bool = False,
         pool: PinnedBufferPool | None = None,
     ) -> None:
-        sizes = {"min_bytes": min_bytes, "max_inflight_bytes": max_inflight_bytes, "prefetch_bytes": prefetch_bytes}
-        for name, value in sizes.items():
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} must be an int >= 0 (bytes)")
+        sizes = (min_bytes, max_inflight_bytes, prefetch_bytes)
+        if not (type(min_bytes) is type(max_inflight_bytes) is type(prefetch_bytes) is int and min(sizes) >= 0):
+            names = ("min_bytes", "max_inflight_bytes", "prefetch_bytes")
+            for name, value in zip(names, sizes, strict=True):  # a region is built every step: checked fast first
+                if not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{name}={value!r} must be an int >= 0 (bytes)")
         self.offload_ratio = check_ratio(offload_ratio)
         self.tag = tag
         pool = pool if pool is not None else default_pool()
         self._options = _Options(self.offload_ratio, min_bytes, max_inflight_bytes, prefetch_bytes, force_copy, pool)
         self._record = region_record(tag) if tag is not None else RegionRecord(None)
-        self._run: _Run | None = None
+        self._run: _Run | _CountingRun | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def __enter__(self) -> CPUOffload:
@@ -498,7 +588,7 @@ class CPUOffload:
             raise RuntimeError(
                 f"CPUOffload region tag={self.tag!r} is already active; nested regions need distinct tags"
             )
-        self._run = _Run(self._options, self._record)
+        self._run = _CountingRun(self._options) if self.offload_ratio == 0 else _Run(self._options, self._record)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._run.hooks())
         self._hooks.__enter__()
         self._record.active = True

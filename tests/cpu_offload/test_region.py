@@ -467,3 +467,95 @@ def test_ratio_0_does_no_device_work_per_saved_tensor(gpt, monkeypatch):
     region = CPUOffload(0.0, _tag(), min_bytes=0, force_copy=True)
     _assert_bitwise_equal(_grads(model, idx, targets, region), _grads(model, idx, targets))
     assert region.stats().tensors_saved > 0
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_a_storage_counts_again_in_each_entry_and_once_within_one(ratio):
+    """Ratio 0 marks a counted storage with its entry's token: a later entry counts it again, one entry once."""
+    w = torch.randn(64, 64, requires_grad=True)
+    x, big = torch.randn(32, 64), torch.randn(100, 64)
+    region = CPUOffload(ratio, min_bytes=0, force_copy=True)
+    for _ in range(2):
+        with region:
+            loss = (x @ w).sum() + (x.t()[:, :16] @ w[:16]).sum()  # x, then a view of x covering half of it
+            loss = loss + (big[:10] @ w).sum() + (big[:10] @ w).sum() + (big[50:60] @ w).sum()  # two spans of big
+            loss = loss + (big @ w).sum()  # big whole, after two of its spans
+        stats = region.stats()
+        assert stats.tensors_saved == 4
+        assert stats.bytes_saved == x.nbytes + 2 * 10 * 64 * 4 + big.nbytes
+        loss.backward()
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_a_storage_saved_again_at_a_new_address_counts_again(ratio):
+    """A span is its storage's bytes where they are: a storage resized between two saves holds new bytes."""
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(32, 64)
+    with CPUOffload(ratio, min_bytes=0, force_copy=True) as region:
+        loss = (x @ w).sum()
+        storage = x.untyped_storage()
+        address = storage.data_ptr()
+        storage.resize_(2 * x.nbytes)  # moves the bytes
+        assert storage.data_ptr() != address
+        storage.resize_(x.nbytes)
+        x.set_(storage, 0, (32, 64))
+        loss = loss + (x @ w).sum()
+    assert region.stats().tensors_saved == 2 and region.stats().bytes_saved == 2 * x.nbytes
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_conjugate_views_count_and_stay_resident(ratio):
+    """A conjugate or negative view's bytes are saved like any other: counted, never copied (the copy path
+    cannot rebuild the bit); gradients are those of a run without the region."""
+    z = torch.randn(32, 32, dtype=torch.complex64)
+    w = torch.randn(32, 32, dtype=torch.complex64, requires_grad=True)
+
+    def loss_of():
+        return (z.conj() @ w).abs().sum() + (z.conj().imag @ w.real).sum()  # a conjugate view, a negative one
+
+    with CPUOffload(ratio, min_bytes=0, force_copy=True) as region:
+        loss = loss_of()
+    stats = region.stats()
+    assert stats.bytes_saved >= z.nbytes and stats.bytes_offloaded <= stats.bytes_saved - z.nbytes
+    loss.backward()
+    got, w.grad = w.grad, None
+    loss_of().backward()
+    assert torch.equal(got, w.grad)
+
+
+def test_ratio_0_candidates_leave_out_what_cannot_be_copied():
+    """The candidate sizes (the next entry's plan) of ratio 0 are those of the general path, conjugates left out."""
+    z = torch.randn(512, 512, dtype=torch.complex64)  # 2 MiB, over the default min_bytes
+    x = torch.randn(512, 512)
+    w, v = torch.randn(512, 8, dtype=torch.complex64, requires_grad=True), torch.randn(512, 8, requires_grad=True)
+    measured = []
+    for ratio in (0.0, 1e-9):
+        tag = _tag()
+        with CPUOffload(ratio, tag, force_copy=True) as region:
+            (z.conj() @ w).real.sum() + (x @ v).sum()
+        stats = region.stats()
+        measured.append((stats.tensors_saved, stats.bytes_saved, region_record(tag).candidate_sizes))
+    assert measured[0] == measured[1] == (2, z.nbytes + x.nbytes, [x.nbytes])
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_a_dropped_graph_frees_every_saved_activation_and_storage(gpt, ratio):
+    """Nothing the hooks keep (handles, counted-span marks) holds a saved activation once its graph is dropped."""
+    model, idx, targets = gpt
+    kept = []
+
+    def keep(module, args, out):
+        kept.append(weakref.ref(out))
+        kept.append(weakref.ref(out.untyped_storage()))
+
+    hooks = [m.register_forward_hook(keep) for m in model.modules() if not list(m.children())]
+    try:
+        with CPUOffload(ratio, min_bytes=0, force_copy=True):
+            loss = lm_loss(model(idx), targets)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(kept) > 10
+    del loss
+    gc.collect()
+    assert [r for r in kept if r() is not None] == []
