@@ -235,7 +235,7 @@ def _keep(handle: torch.Tensor) -> torch.Tensor:
 
 # The attribute of a storage that the ratio-0 pack marks it with: (the run's token, the storage's address,
 # None when only the whole storage was counted, else the set of counted spans, None for the whole one).
-_MARK = "_lightning_haiscale_offload_counted"
+_MARK = "_lightning_haiscale_offload_counted"  # written as a plain attribute store: half a ``setattr`` call
 _Mark = tuple[object, int, "set[tuple[int, int] | None] | None"]
 
 
@@ -280,11 +280,11 @@ def _counting_pack(
         mark: _Mark | None = getattr(storage, _MARK, None)
         address = storage.data_ptr()
         if mark is None or mark[0] is not token or mark[1] != address:
-            setattr(storage, _MARK, (token, address, None if span is None else {span}))
+            storage._lightning_haiscale_offload_counted = (token, address, None if span is None else {span})
         elif mark[2] is None:  # only the whole storage was counted
             if span is None:
                 return handle
-            setattr(storage, _MARK, (token, address, {None, span}))
+            storage._lightning_haiscale_offload_counted = (token, address, {None, span})
         elif span in mark[2]:
             return handle
         else:
