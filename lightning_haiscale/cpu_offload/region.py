@@ -37,10 +37,13 @@ is a cost per step (``benchmarks/offload_overhead.py`` measures it against ``sav
   tensor itself would hold its node, which holds the handle, a cycle through autograd's C++ that the
   garbage collector cannot see (``save_on_cpu``'s CPU pack returns the tensor and leaks a saved output
   whose graph is dropped unused). A parameter (a leaf) or a tensor that does not require grad owns no
-  node: it is its own handle, and a parameter is rejected before any other check. Detaching is the
-  dearest step of a pack; a plain tensor is detached with ``.data``, a third cheaper than ``detach()``
-  (no dispatcher call). The two differ only in the version counter, which ``.data`` does not share:
-  autograd checks no versions of tensors that went through saved-tensor hooks, so none is read.
+  node: it is its own handle, and a parameter is rejected before any other check. So is a view of a
+  leaf that requires grad, at ratio 0: its node is the view's (``t()``, ``view``, a slice), which
+  saves nothing, so no cycle can pass through it (autograd refuses to modify such a view in place,
+  which would give it another node). Detaching is the dearest step of a pack; a plain tensor is
+  detached with ``.data``, a third cheaper than ``detach()`` (no dispatcher call). The two differ
+  only in the version counter, which ``.data`` does not share: autograd checks no versions of tensors
+  that went through saved-tensor hooks, so none is read.
 - A region at ratio 0 never offloads (the selection takes nothing when its target is 0), so it
   installs a leaner pair (see [Note: counting at ratio 0]): unpack returns the handle, and nothing in
   either touches a device: no event, stream, synchronization or host buffer per saved tensor.
@@ -250,19 +253,27 @@ def _counting_pack(
     count, candidate = sizes.append, candidates.append
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base
         if t.requires_grad:
             if t.is_leaf:
                 return t  # a parameter: not counted, and it owns no graph node
             if type(t) is not _TENSOR:
                 return t.detach()  # a subclass: not counted
+            if base is not None:  # a view of a parameter is not counted
+                if base.is_leaf:
+                    if base.requires_grad:
+                        return t  # and its node saves nothing (see [Note: the cost of the hooks])
+                    if _parameter_like(base):
+                        return t.data  # a frozen parameter's view made to require grad in place
+                elif type(base) is _PARAMETER:
+                    return t.data
             handle = t.data  # see [Note: the cost of the hooks]
         elif type(t) is not _TENSOR or getattr(t, "_is_param", False):
             return t  # a subclass or a frozen parameter: not counted, and no graph node
+        elif base is not None and (type(base) is _PARAMETER or (base.is_leaf and _parameter_like(base))):
+            return t  # a view of a frozen parameter
         else:
             handle = t
-        base = t._base
-        if base is not None and (type(base) is _PARAMETER or (base.is_leaf and _parameter_like(base))):
-            return handle  # a view of a parameter
         if not ((cpu_too and t.is_cpu) or t.is_cuda):
             return handle
         try:

@@ -558,3 +558,23 @@ def test_a_dropped_graph_frees_every_saved_activation_and_storage(gpt, ratio):
     del loss
     gc.collect()
     assert [r for r in kept if r() is not None] == []
+
+
+def test_ratio_0_a_view_of_a_trainable_parameter_is_its_own_handle_others_are_detached():
+    """A view of a leaf that requires grad has only its view node: no cycle, no detach. A frozen parameter's
+    view made to require grad in place has another node (here one that saves the view): its handle is
+    detached, and the view is freed with its dropped graph."""
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    frozen = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+    x = torch.randn(8, requires_grad=True)
+    view = p.t()
+    with CPUOffload(0.0, min_bytes=0, force_copy=True) as region:
+        assert _installed_pack()(view) is view
+        row = frozen[0]
+        row.mul_(x)  # row (and frozen) now require grad, through in-place nodes
+        row.exp_()  # saves its result: row itself
+    assert region.stats().tensors_saved == 1  # mul_'s copy of row's old values; row, a view of frozen, is not
+    alive = weakref.ref(row)
+    del row
+    gc.collect()
+    assert alive() is None
