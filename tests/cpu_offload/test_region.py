@@ -578,3 +578,34 @@ def test_ratio_0_a_view_of_a_trainable_parameter_is_its_own_handle_others_are_de
     del row
     gc.collect()
     assert alive() is None
+
+
+def test_ratio_0_hooks_dispatch_no_operator(gpt):
+    """Everything the ratio-0 pair asks of a saved tensor is metadata: no operator but ``detach`` (what
+    ``.data`` becomes under a dispatch mode, a view) is dispatched, so on a GPU nothing per saved tensor
+    reaches the device or its stream."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, idx, targets = gpt
+    saved = []
+
+    def capture(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(capture, lambda t: t):
+        lm_loss(model(idx), targets)
+    dispatched = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            dispatched.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with CPUOffload(0.0, min_bytes=0, force_copy=True) as region:
+        pack, unpack = _hooks_top()
+        with Record():
+            handles = [pack(t) for t in saved]
+            [unpack(h) for h in handles]
+    assert set(dispatched) <= {torch.ops.aten.detach.default}
+    assert region.stats().tensors_saved > 0
