@@ -3,8 +3,8 @@
     python -m benchmarks.offload_overhead [--model gpt|mlp] [--json results.json]
 
 A model that saves many small tensors (the tiny GPT of ``examples/gpt`` at batch 1 x 32, or a deep
-narrow MLP) runs forward and backward under each column, the columns taking turns step by step so that
-load from other processes hits them alike:
+narrow MLP) runs forward and backward under each column, the columns taking turns step by step (in
+alternating order) so that load from other processes hits them alike:
 
 - ``no hooks``: the reference;
 - ``ratio 0``: ``CPUOffload(0)``, whose CPU tensors are left alone (nothing to count);

@@ -253,12 +253,12 @@ def _counting_pack(
     count, candidate = sizes.append, candidates.append
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base
         if t.requires_grad:
             if t.is_leaf:
                 return t  # a parameter: not counted, and it owns no graph node
             if type(t) is not _TENSOR:
                 return t.detach()  # a subclass: not counted
+            base = t._base
             if base is not None:  # a view of a parameter is not counted
                 if base.is_leaf:
                     if base.requires_grad:
@@ -270,9 +270,10 @@ def _counting_pack(
             handle = t.data  # see [Note: the cost of the hooks]
         elif type(t) is not _TENSOR or getattr(t, "_is_param", False):
             return t  # a subclass or a frozen parameter: not counted, and no graph node
-        elif base is not None and (type(base) is _PARAMETER or (base.is_leaf and _parameter_like(base))):
-            return t  # a view of a frozen parameter
         else:
+            base = t._base
+            if base is not None and (type(base) is _PARAMETER or (base.is_leaf and _parameter_like(base))):
+                return t  # a view of a frozen parameter
             handle = t
         if not ((cpu_too and t.is_cpu) or t.is_cuda):
             return handle
