@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 LossFn = Callable[[int, Any], torch.Tensor]
 
 
+_HEADER = p2p.TensorMeta((p2p.HEADER_SLOTS,), torch.int64, False)
+
+
 class PipelineCommunicationError(RuntimeError):
     """A pipeline transfer failed or timed out: the message names the action, both stages and the schedule."""
 
@@ -82,6 +85,8 @@ class StepConfig:
     header_every_microbatch: bool = False
     checkpoint: Callable[[int], bool] = lambda m: False
     forward_context: Callable[[], AbstractContextManager] | None = None
+    buffers: p2p.BufferPool | None = None
+    """Receive buffers reused across steps (see [Note: buffer reuse] in ``p2p``); None: fresh ones."""
 
 
 def check_stage_module(module: nn.Module) -> None:
@@ -121,6 +126,8 @@ def run_actions(
         done = True
     finally:
         step.finish(wait=done)
+        if not done and config.buffers is not None:
+            config.buffers.clear()
     return step.result
 
 
@@ -295,14 +302,21 @@ class _Step:
             grads = self.outbox.pop((stage, m))
             return (p2p.pack(grads), []) if grads else None
         if kind is ActionType.RECV_F and t.header:
-            return torch.empty(p2p.HEADER_SLOTS, dtype=torch.int64, device=self.device), []
+            return self._buffer(t, [_HEADER]), []
         if kind is ActionType.RECV_F:
             metas = self._activation_metas(t)
         else:
             metas = [p2p.TensorMeta.of(o) for o in self.saved[(stage, m)][1] if o.requires_grad]
             if not metas:
                 return None
-        return p2p.empty_buffer(metas, self.device), metas
+        return self._buffer(t, metas), metas
+
+    def _buffer(self, t: Transfer, metas: list[p2p.TensorMeta]) -> torch.Tensor:
+        """A receive buffer: the pool's for this message of the step, when the step has a pool."""
+        if self.cfg.buffers is None:
+            return p2p.empty_buffer(metas, self.device)
+        key = (t.action.stage, t.action.type.value, t.action.microbatch, t.header)
+        return self.cfg.buffers.get(key, metas, self.device)
 
     def _activation_metas(self, t: Transfer) -> list[p2p.TensorMeta]:
         """The payload's layout: from its header (waited for here: it came in an earlier batch) or this step's."""

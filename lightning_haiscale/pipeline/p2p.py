@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "HEADER_SLOTS",
+    "BufferPool",
     "Op",
     "TensorMeta",
     "decode_header",
@@ -128,6 +130,51 @@ def unpack(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> list[torch.Tens
         return [buffer]
     offsets, _ = _offsets(metas)
     return [buffer[off : off + m.nbytes].view(m.dtype).view(m.shape) for m, off in zip(metas, offsets, strict=True)]
+
+
+class BufferPool:
+    """Receive buffers kept from one step to the next, one per message of a step (see [Note: buffer reuse]).
+
+    [Note: buffer reuse] torch's ``PipelineStage`` allocates its receive buffers once; a fresh buffer
+    per message and step costs an allocation, and page faults whenever the allocator gave the memory
+    back. The pool keeps one buffer per ``key`` (a message of the step: stage, kind, microbatch) and
+    hands out a new view of it (``detach()``), never the buffer itself. So every holder of the memory (a
+    pending receive's work, the tensors autograd saves, a gradient ``AccumulateGrad`` takes without a
+    copy, an output of the last stage that views its input, a user's reference) holds a tensor of its
+    own on the buffer's storage, and torch counts those: a buffer is handed out again only when its
+    storage has no holder but the pool, and has the layout asked for; otherwise the message gets a new
+    buffer. A buffer is therefore never written while anything can still read it; reuse only saves the
+    allocation. (torch's CUDA graph trees check a storage's count the same way before reusing memory.)
+    One buffer per message keeps reuse whole: the buffers of one step are all in use at once.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def get(self, key: tuple[Any, ...], metas: Sequence[TensorMeta], device: torch.device) -> torch.Tensor:
+        """A view of the buffer for message ``key`` laid out for ``metas`` (``empty_buffer``'s layout)."""
+        buffer = self._buffers.get(key)
+        if buffer is None or not _fits(buffer, metas, device) or not _only_holder(buffer):
+            buffer = self._buffers[key] = empty_buffer(metas, device)
+        return buffer.detach()
+
+    def clear(self) -> None:
+        """Drops every buffer (after a failed step, whose receives may still be pending)."""
+        self._buffers.clear()
+
+
+def _fits(buffer: torch.Tensor, metas: Sequence[TensorMeta], device: torch.device) -> bool:
+    if buffer.device != device:
+        return False
+    if len(metas) == 1:
+        return buffer.dtype == metas[0].dtype and tuple(buffer.shape) == metas[0].shape
+    return buffer.dtype == torch.uint8 and buffer.numel() == max(_offsets(metas)[1], 1)
+
+
+def _only_holder(buffer: torch.Tensor) -> bool:
+    """Whether no tensor but the pool's ``buffer`` uses its storage (the storage object made here to ask
+    counts one more)."""
+    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == 2
 
 
 class _StagedWork:

@@ -20,6 +20,7 @@ from lightning_haiscale.pipeline.executor import (
     issue_order,
     run_actions,
 )
+from lightning_haiscale.pipeline.p2p import BufferPool
 from lightning_haiscale.pipeline.schedule import (
     Action,
     Batch,
@@ -147,6 +148,7 @@ class Pipeline(nn.Module):
         self._sync_grads = True
         self._schedules: dict[tuple[int, bool], dict[int, list[Action]]] = {}
         self._programs: dict[tuple[int, bool, bool], list[Action | Batch]] = {}  # this rank's, per step kind
+        self._receive_buffers = BufferPool()  # receive buffers kept between steps, as torch's PipelineStage keeps its
         self.peak_live = 0
         self.schedule(chunks)  # build and check the training schedule now: errors before any step
 
@@ -275,6 +277,7 @@ class Pipeline(nn.Module):
             header_every_microbatch=uneven,
             checkpoint=lambda m: policy == "always" or (policy == "except_last" and m != n - 1),
             forward_context=self.forward_context,
+            buffers=self._receive_buffers,
         )
 
     def _run(
