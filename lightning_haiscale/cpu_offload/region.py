@@ -283,9 +283,9 @@ def _counting_pack(
             return handle
         total = storage.nbytes()
         nbytes = t.nbytes if t.is_contiguous() else _extent(t)
+        if not nbytes:  # an empty tensor (of any storage) saves nothing
+            return handle
         if 2 * nbytes >= total:
-            if not nbytes:
-                return handle
             span, nbytes = None, total
         else:
             span = (t.storage_offset() * t.element_size(), nbytes)

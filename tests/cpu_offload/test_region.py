@@ -609,3 +609,13 @@ def test_ratio_0_hooks_dispatch_no_operator(gpt):
             [unpack(h) for h in handles]
     assert set(dispatched) <= {torch.ops.aten.detach.default}
     assert region.stats().tensors_saved > 0
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_an_empty_view_of_a_storage_does_not_count(ratio):
+    w = torch.randn(64, 8, requires_grad=True)
+    x = torch.randn(100, 64)
+    with CPUOffload(ratio, min_bytes=0, force_copy=True) as region:
+        loss = (x[5:5] @ w).sum() + (torch.empty(0, 64) @ w).sum()  # empty views of a storage and of none
+    assert (region.stats().tensors_saved, region.stats().bytes_saved) == (0, 0)
+    loss.backward()
