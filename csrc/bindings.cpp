@@ -94,6 +94,20 @@ PYBIND11_MODULE(_C, m) {
                          static_cast<int>(ptrs.size()), count, checked_divisor(dt, divisor));
       },
       "Sums arrays element-wise into dst (test hook for the SIMD kernels).");
+  m.def(
+      "reduce",
+      [](DType dt, const std::vector<uintptr_t>& dsts, const std::vector<uintptr_t>& srcs, size_t count,
+         double divisor) {
+        if (srcs.empty() || dsts.empty()) throw std::invalid_argument("hfreduce: reduce needs a source and a destination");
+        std::vector<const void*> ins;
+        std::vector<void*> outs;
+        for (uintptr_t s : srcs) ins.push_back(as_ptr(s, count, "source"));
+        for (uintptr_t d : dsts) outs.push_back(const_cast<void*>(as_ptr(d, count, "destination")));
+        py::gil_scoped_release release;
+        hfreduce::reduce(dt, outs.data(), static_cast<int>(outs.size()), ins.data(), static_cast<int>(ins.size()),
+                         count, checked_divisor(dt, divisor));
+      },
+      "Sums arrays element-wise into every one of dsts in one pass (test hook for the SIMD kernels).");
 
   py::class_<Fingerprint>(m, "Fingerprint")
       .def(py::init([](Collective collective, DType dtype, size_t count, uint64_t arg, double divisor) {

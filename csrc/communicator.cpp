@@ -549,8 +549,8 @@ void Communicator::run_all_reduce(const char* src, char* dst, size_t count, DTyp
     for (size_t b = begin; b < end; b += block) {
       const size_t len = std::min(block, end - b);
       for (int r = 0; r < ranks; ++r) srcs[r] = (r == me ? src + off * es : staging(set, r)) + b * es;
-      reduce(dtype, out + b * es, srcs.data(), ranks, len, divisor);
-      std::memcpy(staging(set, me) + b * es, out + b * es, len * es);
+      void* dsts[2] = {out + b * es, staging(set, me) + b * es};  // the tensor, and the peers' copy
+      reduce(dtype, dsts, 2, srcs.data(), ranks, len, divisor);
     }
     const int next = k + 1 < chunks ? next_set() : set;
     if (k + 1 < chunks) stage(k + 1, next);
@@ -572,14 +572,12 @@ void Communicator::run_all_reduce_buffer(const SharedBuffer& buffer, size_t offs
   const auto [begin, end] = slice(count, ranks, me, es);
   const size_t block = std::max<size_t>(1, kBufferBlockBytes / es);
   std::vector<const void*> srcs(ranks);
+  std::vector<void*> dsts(ranks);
   for (size_t b = begin; b < end; b += block) {
     const size_t n = std::min(block, end - b);
     const size_t at = offset + b * es;
-    for (int k = 0; k < ranks; ++k) srcs[k] = buffer.region(k) + at;
-    reduce(dtype, buffer.region(me) + at, srcs.data(), ranks, n, divisor);
-    for (int k = 0; k < ranks; ++k) {
-      if (k != me) std::memcpy(buffer.region(k) + at, buffer.region(me) + at, n * es);
-    }
+    for (int k = 0; k < ranks; ++k) srcs[k] = dsts[k] = buffer.region(k) + at;
+    reduce(dtype, dsts.data(), ranks, srcs.data(), ranks, n, divisor);  // into every rank's region at once
   }
   arrive_and_wait();  // every slice is written back everywhere
 }

@@ -3,9 +3,11 @@
 // Included by reduce_kernels.cpp inside `namespace <isa>` under `#pragma GCC target(...)`, after that
 // ISA's `Simd` traits (simd_avx512.h, simd_avx2.h, simd_generic.h). No include guard on purpose.
 
-// Sums `n` float-like arrays (float, fp16 or bf16 bits) in fp32 lanes, divides, rounds once on store.
+// Sums `n` float-like arrays (float, fp16 or bf16 bits) in fp32 lanes, divides, rounds once on store,
+// and stores the result into each of the `m` destinations (one pass: a result read back for a second copy
+// would cost a second trip through the cache).
 template <class T>
-void sum_in_fp32(T* dst, const T* const* srcs, int n, size_t count, float divisor) {
+void sum_in_fp32(T* const* dsts, int m, const T* const* srcs, int n, size_t count, float divisor) {
   constexpr size_t W = Simd::kWidth;
   const bool divide = divisor != 1.0f;
   const auto vdiv = Simd::set1(divisor);
@@ -14,20 +16,20 @@ void sum_in_fp32(T* dst, const T* const* srcs, int n, size_t count, float diviso
     auto acc = Simd::load(srcs[0] + i);
     for (int k = 1; k < n; ++k) acc = Simd::add(acc, Simd::load(srcs[k] + i));
     if (divide) acc = Simd::div(acc, vdiv);
-    Simd::store(dst + i, acc);
+    for (int d = 0; d < m; ++d) Simd::store(dsts[d] + i, acc);
   }
   for (; i < count; ++i) {
     float acc = to_float(srcs[0][i]);
     for (int k = 1; k < n; ++k) acc += to_float(srcs[k][i]);
     if (divide) acc /= divisor;
-    from_float(dst + i, acc);
+    for (int d = 0; d < m; ++d) from_float(dsts[d] + i, acc);
   }
 }
 
 // Doubles and integers: plain loops that the compiler vectorizes for this ISA. Sums go through a
-// block on the stack because `dst` may alias any source (a rank reduces into its own staging slot).
+// block on the stack because a destination may alias any source (a rank reduces into its own slot).
 template <class T>
-void sum_plain(T* dst, const T* const* srcs, int n, size_t count, double divisor) {
+void sum_plain(T* const* dsts, int m, const T* const* srcs, int n, size_t count, double divisor) {
   constexpr size_t kBlock = 1024;
   T acc[kBlock];
   for (size_t b = 0; b < count; b += kBlock) {
@@ -42,29 +44,33 @@ void sum_plain(T* dst, const T* const* srcs, int n, size_t count, double divisor
       const T d = static_cast<T>(divisor);
       for (size_t i = 0; i < len; ++i) acc[i] /= d;
     }
-    for (size_t i = 0; i < len; ++i) dst[b + i] = acc[i];
+    for (int d = 0; d < m; ++d) {
+      T* dst = dsts[d] + b;
+      for (size_t i = 0; i < len; ++i) dst[i] = acc[i];
+    }
   }
 }
 
-inline void reduce(DType dtype, void* dst, const void* const* srcs, int n, size_t count, double divisor) {
+inline void reduce(DType dtype, void* const* dsts, int m, const void* const* srcs, int n, size_t count,
+                   double divisor) {
   switch (dtype) {
     case DType::kFloat32:
-      return sum_in_fp32(static_cast<float*>(dst), reinterpret_cast<const float* const*>(srcs), n, count,
-                         static_cast<float>(divisor));
-    case DType::kFloat16:
-      return sum_in_fp32(static_cast<Half*>(dst), reinterpret_cast<const Half* const*>(srcs), n, count,
-                         static_cast<float>(divisor));
-    case DType::kBFloat16:
-      return sum_in_fp32(static_cast<BFloat16*>(dst), reinterpret_cast<const BFloat16* const*>(srcs), n,
+      return sum_in_fp32(reinterpret_cast<float* const*>(dsts), m, reinterpret_cast<const float* const*>(srcs), n,
                          count, static_cast<float>(divisor));
+    case DType::kFloat16:
+      return sum_in_fp32(reinterpret_cast<Half* const*>(dsts), m, reinterpret_cast<const Half* const*>(srcs), n,
+                         count, static_cast<float>(divisor));
+    case DType::kBFloat16:
+      return sum_in_fp32(reinterpret_cast<BFloat16* const*>(dsts), m,
+                         reinterpret_cast<const BFloat16* const*>(srcs), n, count, static_cast<float>(divisor));
     case DType::kFloat64:
-      return sum_plain(static_cast<double*>(dst), reinterpret_cast<const double* const*>(srcs), n, count,
-                       divisor);
+      return sum_plain(reinterpret_cast<double* const*>(dsts), m, reinterpret_cast<const double* const*>(srcs), n,
+                       count, divisor);
     case DType::kInt32:
-      return sum_plain(static_cast<int32_t*>(dst), reinterpret_cast<const int32_t* const*>(srcs), n, count,
-                       divisor);
+      return sum_plain(reinterpret_cast<int32_t* const*>(dsts), m, reinterpret_cast<const int32_t* const*>(srcs),
+                       n, count, divisor);
     case DType::kInt64:
-      return sum_plain(static_cast<int64_t*>(dst), reinterpret_cast<const int64_t* const*>(srcs), n, count,
-                       divisor);
+      return sum_plain(reinterpret_cast<int64_t* const*>(dsts), m, reinterpret_cast<const int64_t* const*>(srcs),
+                       n, count, divisor);
   }
 }

@@ -88,18 +88,23 @@ const char* dtype_name(DType dtype) {
   return "unknown dtype";
 }
 
-void reduce(DType dtype, void* dst, const void* const* srcs, int nsrc, size_t count, double divisor) {
+void reduce(DType dtype, void* const* dsts, int ndst, const void* const* srcs, int nsrc, size_t count,
+            double divisor) {
   if (count == 0) return;
   switch (kLevel) {
 #if defined(__x86_64__)
     case Level::kAvx512:
-      return avx512::reduce(dtype, dst, srcs, nsrc, count, divisor);
+      return avx512::reduce(dtype, dsts, ndst, srcs, nsrc, count, divisor);
     case Level::kAvx2:
-      return avx2::reduce(dtype, dst, srcs, nsrc, count, divisor);
+      return avx2::reduce(dtype, dsts, ndst, srcs, nsrc, count, divisor);
 #endif
     default:
-      return generic::reduce(dtype, dst, srcs, nsrc, count, divisor);
+      return generic::reduce(dtype, dsts, ndst, srcs, nsrc, count, divisor);
   }
+}
+
+void reduce(DType dtype, void* dst, const void* const* srcs, int nsrc, size_t count, double divisor) {
+  reduce(dtype, &dst, 1, srcs, nsrc, count, divisor);
 }
 
 std::string simd_level() {

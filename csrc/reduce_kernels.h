@@ -17,6 +17,9 @@ const char* dtype_name(DType dtype);
 // Sums `count` elements of `nsrc` arrays into `dst` (which may alias a source) and multiplies by
 // `scale` when scale != 1 (floating types only). Picks the widest SIMD the CPU has at run time.
 void reduce(DType dtype, void* dst, const void* const* srcs, int nsrc, size_t count, double scale);
+// The same, storing the result into each of `ndst` destinations in the one pass (any may alias a source).
+void reduce(DType dtype, void* const* dsts, int ndst, const void* const* srcs, int nsrc, size_t count,
+            double scale);
 
 // Name of the instruction set `reduce` dispatches to on this CPU: "avx512", "avx2" or "generic".
 std::string simd_level();

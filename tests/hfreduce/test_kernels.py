@@ -88,3 +88,20 @@ def test_engine_dtypes_are_torch_dtypes() -> None:
     assert len(_C.DType.__members__) == len(DTYPES)
     with pytest.raises(TypeError, match=r"does not support dtype torch\.bool; supported: float32, float64"):
         engine_dtype(torch.bool)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("divisor", [1.0, 3.0])
+def test_every_destination_gets_the_result_in_one_pass(dtype: torch.dtype, divisor: float) -> None:
+    """The all-reduce writes its slice into the tensor and the peers' copy (or every rank's region) in one
+    pass; each destination, aliasing a source or not, holds the whole result (the tail past the last SIMD
+    vector included)."""
+    if not dtype.is_floating_point and divisor != 1.0:
+        pytest.skip("integers are summed only")
+    srcs = [_random(4103, dtype, seed) for seed in range(3)]
+    expected = _reference(srcs, divisor)
+    spare = torch.zeros(4103, dtype=dtype)
+    dsts = [srcs[0], spare, srcs[2]]
+    _C.reduce(engine_dtype(dtype), [d.data_ptr() for d in dsts], [s.data_ptr() for s in srcs], 4103, divisor)
+    for d in dsts:
+        assert torch.equal(d, expected)
