@@ -48,7 +48,7 @@ from lightning_haiscale.fsdp.optim_state import (
     load_local_optim_states,
     local_optim_state,
 )
-from lightning_haiscale.fsdp.param_group import FSDPParamGroup, ShardState
+from lightning_haiscale.fsdp.param_group import FSDPParamGroup, GradShards, ShardState
 from lightning_haiscale.fsdp.state_dict import (
     gather_full_state,
     load_full_state,
@@ -134,6 +134,9 @@ class FullyShardedDataParallel(nn.Module):
         units = unit_modules(module, auto_wrap_policy)
         self._groups = self._build_groups(units, param_init_fn)
         self._root_group = self._groups.get(module)
+        self._grad_shards = GradShards(list(self._groups.values()))
+        for group in self._groups.values():
+            group.grad_space = functools.partial(self._grad_shards.take, group)
         self._named_pieces = list(module.named_parameters(remove_duplicate=False))
         self.layout = ShardLayout(
             units=tuple(group.layout for group in self._groups.values()),
@@ -272,6 +275,7 @@ class FullyShardedDataParallel(nn.Module):
     def _finalize_backward(self) -> None:
         for group in self._groups.values():
             group.finalize_grads(sync=self._sync_grads)
+        self._grad_shards.release()
         if self._backward_order is None:
             self._backward_order, self._recording = self._recording, []
         self._pre_backward_done.clear()
