@@ -187,7 +187,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per run (median)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
