@@ -6,7 +6,10 @@ CPU) on the GPT example, 2 processes: steady samples/s and peak memory per rank,
 
 Each (config, strategy) pair runs in 2 fresh processes, so peak RSS (``ru_maxrss``) is that run's own.
 Peak PSS (see [Note: RSS and PSS]) is sampled from ``/proc/self/smaps_rollup`` every 10 ms and at each
-phase of the first steps (``--phases`` prints them). All three build the model on the meta device and
+phase of the warm-up steps (``--phases`` prints them), and not during the timed steps: walking the page
+tables of a multi-GiB process every 10 ms took 37-40% of a rank's CPU (``perf``: ``smaps_account``), more
+for the strategy with more memory mapped. The warm-up covers the peak, which comes with the first backward
+after the first optimizer step (the second step). All three build the model on the meta device and
 materialize it sharded (each its own way), train with AdamW in fp32, and wrap the same units (every
 transformer Block; ``medium_units`` also the embedding and the head). Tied embeddings are off: FSDP2's
 meta-device materialization (``to_empty``) unties them.
@@ -58,12 +61,12 @@ class BenchConfig:
 
 CONFIGS = {
     "comm": BenchConfig("comm", batch=1, seq=32, steps=6, warmup=2),  # little compute: the collectives dominate
-    "compute": BenchConfig("compute", batch=4, seq=128, steps=4, warmup=1),  # matmuls dominate
-    # issue #15: memory at GPT-2 Medium; the peak comes with the first optimizer step, so few steps
-    "medium": BenchConfig("medium", batch=1, seq=64, steps=2, warmup=1, model=MEDIUM),
+    "compute": BenchConfig("compute", batch=4, seq=128, steps=4, warmup=2),  # matmuls dominate
+    # issue #15: memory at GPT-2 Medium; the peak comes in the second step, so few steps
+    "medium": BenchConfig("medium", batch=1, seq=64, steps=2, warmup=2, model=MEDIUM),
     # the same with the 50257-row embedding and the head as units of their own, in every strategy
     "medium_units": BenchConfig(
-        "medium_units", batch=1, seq=64, steps=2, warmup=1, model=MEDIUM, units=(Block, Embeddings, LMHead)
+        "medium_units", batch=1, seq=64, steps=2, warmup=2, model=MEDIUM, units=(Block, Embeddings, LMHead)
     ),
 }
 
@@ -150,9 +153,10 @@ class _MemorySampler:
 
 
 class _Phases(L.Callback):
-    """Rss / Pss / Pss_Shmem (MiB) at each phase of the first ``steps`` steps: where the memory goes."""
+    """Rss / Pss / Pss_Shmem (MiB) at each phase of the first ``steps`` steps: where the memory goes. The
+    sampler stops after them, so that it does not slow the steps timed after them."""
 
-    def __init__(self, sampler: _MemorySampler, steps: int = 2) -> None:
+    def __init__(self, sampler: _MemorySampler, steps: int) -> None:
         self.sampler = sampler
         self.steps = steps
         self.rows: list[str] = []
@@ -179,6 +183,8 @@ class _Phases(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self._record(trainer, "after step")
+        if trainer.global_step == self.steps:
+            self.sampler.stop()
 
 
 class _Clock(L.Callback):
@@ -207,11 +213,11 @@ def _worker(rank: int, port: int, strategy_name: str, cfg: BenchConfig, model: G
     rows = (cfg.steps + cfg.warmup) * cfg.batch * WORLD
     tokens = torch.randint(0, model.vocab_size, (rows, cfg.seq + 1), generator=torch.Generator().manual_seed(0))
     clock = _Clock(cfg.warmup)
-    phases = _Phases(sampler)
+    phases = _Phases(sampler, steps=cfg.warmup)
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=cfg.steps + cfg.warmup, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, callbacks=[clock, phases],
+        num_sanity_val_steps=0, callbacks=[phases, clock],  # the sampler stops before the clock starts
     )  # fmt: skip
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=cfg.batch)
     trainer.fit(module_cls(model), train_dataloaders=data)
