@@ -154,6 +154,7 @@ class FullyShardedDataParallel(nn.Module):
         self._pre_backward_done: set[int] = set()
         self._callback_queued = False
         self._reducing: FSDPParamGroup | None = None  # the unit whose reduce-scatter started last
+        self._unfinished: dict[int, FSDPParamGroup] = {}  # units holding gradients, their backward not done
         self._state_dict_type = StateDictType.FULL
         self._holds_full: bool | None = None  # inside summon_full_params: whether this rank holds them
         self._arrival = ArrivalCheck(self.comm.group, arrival_timeout)
@@ -246,8 +247,9 @@ class FullyShardedDataParallel(nn.Module):
         if id(group) in self._pre_backward_done:
             return
         self._pre_backward_done.add(id(group))
-        for other in self._groups.values():  # see param_group [Note: reducing a unit's gradients]
-            if other is not group and other.reduce_arrived():
+        for other in [g for g in self._unfinished.values() if g is not group]:  # in the order they got gradients
+            del self._unfinished[id(other)]  # see param_group [Note: reducing a unit's gradients]
+            if other.reduce_arrived():
                 self._reduction_started(other)
         if self._backward_order is None:
             self._recording.append(group)
@@ -259,7 +261,10 @@ class FullyShardedDataParallel(nn.Module):
     def _grad_arrived(self, group: FSDPParamGroup, index: int, leaf: torch.Tensor) -> None:
         self._queue_finalize()
         if group.grad_arrived(index, sync=self._sync_grads):
+            self._unfinished.pop(id(group), None)
             self._post_backward(group)
+        else:
+            self._unfinished[id(group)] = group
 
     def _post_backward(self, group: FSDPParamGroup) -> None:
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
@@ -279,6 +284,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._backward_order is None:
             self._backward_order, self._recording = self._recording, []
         self._pre_backward_done.clear()
+        self._unfinished.clear()
         self._callback_queued = False
         self._reducing = None
 
