@@ -5,7 +5,8 @@
 Each benchmark runs as its own subprocess (its log under ``benchmarks/logs/``) and writes rows as JSON:
 ``technique, config, ours, peer, metric, ours_value, peer_value`` (higher is better) and, where measured,
 ``ours_rss_mib, peer_rss_mib``, ``ours_pss_mib, peer_pss_mib`` (peak memory per rank) and ``ceiling_value``
-(the metric of a run with no communication at all: the ceiling of the ratio). The report is data-driven: a
+(the metric of a run with no communication at all: the ceiling of the ratio) and ``spread`` (how far two runs
+of the same implementation in this run are apart: the noise to read the ratio against). The report is data-driven: a
 row a benchmark adds shows up in the table and the chart as it is, and an optional column appears when some
 row fills it. The summary table replaces the block between the report markers at the top of RESULTS.md;
 the detailed sections below it are kept. The chart needs matplotlib (``pip install .[bench]``); without it
@@ -189,6 +190,7 @@ _OPTIONAL_COLUMNS = (
     ("share of the peer's comm time removed", lambda r: f"{s:.0%}" if (s := comm_removed(r)) is not None else ""),
     ("peak RSS/rank ours / peer", lambda r: _memory(r, "rss")),
     ("peak PSS/rank ours / peer", lambda r: _memory(r, "pss")),
+    ("same-side spread", lambda r: f"{r['spread']:.0%}" if r.get("spread") is not None else ""),
 )
 
 
@@ -221,7 +223,8 @@ def summary(rows: list[dict], command: str) -> str:
         f"Command: `{command}`. Higher is better; ratio = ours / peer; the ceiling is the ratio of a run with no "
         "communication at all, and the share of the peer's communication time removed is (peer - ours) / "
         f"(peer - ceiling) in step time, where communication is at least {COMM_BOUND:.0%} of the peer's step "
-        "(memory: ours / peer, lower is better).",
+        "(memory: ours / peer, lower is better). The same-side spread is how far apart two runs of one "
+        "implementation are in this run (slowest / fastest - 1): a ratio within it is noise.",
         "",
         "| technique | config | ours | peer | metric | ours | peer | ratio |" + "".join(f" {h} |" for h, _ in columns),
         "|---|---|---|---|---|---:|---:|---:|" + "---|" * len(columns),

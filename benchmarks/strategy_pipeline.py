@@ -6,6 +6,8 @@ default in the order ours, torch, torch, ours (``--order abba``), each side's me
 changes through the run (other processes on a shared machine) weighs on both sides alike.
 Reported per run: samples/s (median step time after warm-up), the first stage's peak RSS, and the first
 stage's peak of activation bytes saved for backward (counted by ``saved_tensors_hooks`` in one extra step).
+With ``abba``, the same-side spread (how far the two runs of one implementation are apart) is the run's noise:
+the same kernels run on both sides, so a ratio within it says the two are not told apart by this run.
 """
 
 from __future__ import annotations
@@ -201,9 +203,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     print(f"GPT {args.layers} layers x {args.width} wide, batch {args.batch} x {args.seq} tokens, chunks {args.chunks}")
     columns = ["schedule", "ours samples/s", "torch samples/s", "ratio", "ours RSS MiB", "torch RSS MiB"]
-    columns += ["ours saved MiB", "torch saved MiB"]
+    columns += ["ours saved MiB", "torch saved MiB", "same-side spread"]
     print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * 8)
+    print("|" + "---|" * len(columns))
     saved, rows = {}, []
     for schedule in args.schedules.split(","):
         runs: dict[str, list[dict[str, float]]] = {"ours": [], "torch": []}
@@ -211,12 +213,12 @@ def main(argv: list[str]) -> int:
             runs[impl].append(run_pair(argparse.Namespace(**vars(args), schedule=schedule, impl=impl)))
         res = {impl: _combine(r) for impl, r in runs.items()}
         saved[schedule] = res["ours"]["saved_mib"]
-        rows.append(_json_row(args, schedule, res))
+        rows.append(_json_row(args, schedule, res, spread(runs)))
         ratio = res["ours"]["samples_s"] / res["torch"]["samples_s"]
         print(
             f"| {schedule} vs {PAIRS[schedule]} | {res['ours']['samples_s']:.2f} | {res['torch']['samples_s']:.2f} | "
             f"{ratio:.2f}x | {res['ours']['rss_mib']:.0f} | {res['torch']['rss_mib']:.0f} | "
-            f"{res['ours']['saved_mib']:.1f} | {res['torch']['saved_mib']:.1f} |",
+            f"{res['ours']['saved_mib']:.1f} | {res['torch']['saved_mib']:.1f} | {spread(runs):.1%} |",
             flush=True,
         )
     if "gpipe" in saved and "1f1b" in saved:
@@ -240,7 +242,15 @@ def _combine(runs: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
-def _json_row(args: argparse.Namespace, schedule: str, res: dict[str, dict[str, float]]) -> dict[str, Any]:
+def spread(runs: dict[str, list[dict[str, float]]]) -> float:
+    """How far apart two runs of the same implementation are in this run (slowest / fastest step - 1, the larger
+    side's): the noise a ratio between the implementations is to be read against. 0 with one run per side."""
+    return max(max(r["step_s"] for r in side) / min(r["step_s"] for r in side) - 1 for side in runs.values())
+
+
+def _json_row(
+    args: argparse.Namespace, schedule: str, res: dict[str, dict[str, float]], noise: float
+) -> dict[str, Any]:
     ours = {"gpipe": "GPipe", "1f1b": "PipeDream", "interleaved": "Interleaved1F1B"}[schedule]
     return {
         "technique": "pipeline, 2 stages",
@@ -252,6 +262,7 @@ def _json_row(args: argparse.Namespace, schedule: str, res: dict[str, dict[str, 
         "peer_value": res["torch"]["samples_s"],
         "ours_rss_mib": res["ours"]["rss_mib"],
         "peer_rss_mib": res["torch"]["rss_mib"],
+        "spread": noise,
     }
 
 

@@ -141,3 +141,19 @@ def test_gpu_offload_rows_from_its_json() -> None:
         r["alternating_step_ms"] = 93.3 if r["name"] == "ratio 0" else r["step_ms"]
     assert round(report.ratio(report.offload_gpu_rows(data)[0]), 2) == 0.81
     assert rows[0]["config"] == "GPT config=medium (355M parameters, vocab 50257), ratio 0"
+
+
+def test_same_side_spread_is_a_column_only_where_measured() -> None:
+    """The pipeline benchmark's abba order runs each side twice; how far those runs are apart is its noise."""
+    from benchmarks.strategy_pipeline import spread
+
+    runs = {"ours": [{"step_s": 1.00}, {"step_s": 1.05}], "torch": [{"step_s": 0.90}, {"step_s": 0.99}]}
+    assert round(spread(runs), 6) == 0.1  # torch's two runs: 0.99 / 0.90 - 1
+    assert spread({"ours": [{"step_s": 2.0}], "torch": [{"step_s": 1.0}]}) == 0.0  # one run per side: no measure
+    pipeline = {"technique": "pipeline, 2 stages", "config": "GPT", "ours": "GPipe", "peer": "torch ScheduleGPipe",
+                "metric": "samples/s", "ours_value": 0.96, "peer_value": 1.0, "spread": 0.1}  # fmt: skip
+    block = report.summary([*ROWS, pipeline], "x")
+    assert "same-side spread" in next(line for line in block.splitlines() if line.startswith("| technique"))
+    assert next(line for line in block.splitlines() if "| GPipe |" in line).endswith("| 10% |")
+    plain = report.summary(ROWS, "x")
+    assert "same-side spread" not in next(line for line in plain.splitlines() if line.startswith("| technique"))
