@@ -1,8 +1,13 @@
 """Where an all-reduce's time goes: counters beside the timings of ``benchmarks/allreduce.py``.
 
     python -m benchmarks.allreduce_probe calls          # one process: the cost of each step of a 4 KiB call
-    python -m benchmarks.allreduce_probe pair [--bytes 4096]   # 2 ranks: engine, alloc_buffer, DeepSpeed
+    python -m benchmarks.allreduce_probe pair [--bytes 4096]   # 2 ranks: engine, alloc_buffer, DeepSpeed, floor
     python -m benchmarks.allreduce_probe cache          # 2 ranks: alloc_buffer warm vs last-level cache evicted
+
+``pair`` also times the floor of an all-reduce of an ordinary tensor in place: every rank reads its input and
+writes its result at least once, so a pass over the tensor that does only that (``mul_(1)``, on both ranks at
+once) bounds the time from below; its time over the engine's is the share of the engine's time that memory
+traffic alone needs, and DeepSpeed's time over it is the largest lead over DeepSpeed this machine allows.
 
 Wall-clock on a shared machine is noise; run under ``chrt -r 10`` to give the ranks the cores (as on a quiet
 machine) and read the counters: voluntary context switches (a futex sleep or a woken thread), page faults.
@@ -66,6 +71,7 @@ def _pair(rank: int, world: int, port: int, nbytes: int, reps: int, batches: int
     deepspeed, _ = deepspeed_all_reduce(world)
     plain, shared = torch.randn(nbytes // 4), comm.alloc_buffer(nbytes // 4)
     ops = {"engine": lambda: comm.all_reduce(plain), "alloc_buffer": lambda: comm.all_reduce(shared)}
+    ops["floor"] = lambda: plain.mul_(1.0)  # read the input, write the result: what every rank must do
     if deepspeed is not None:
         ops["deepspeed"] = lambda: deepspeed(plain)
     rows = {}
@@ -143,6 +149,10 @@ def main() -> int:
         for name in res[0]:
             counters = " | ".join(f"{res[r][name][2]:.3f} / {res[r][name][3]:.3f}" for r in (0, 1))
             print(f"{name:12s} min {res[0][name][0] * 1e6:9.2f} µs  median {res[0][name][1] * 1e6:9.2f} µs  {counters}")
+        median = {name: row[1] for name, row in res[0].items()}
+        print(f"floor / engine: {median['floor'] / median['engine']:.2f} (the share memory traffic alone needs)")
+        if "deepspeed" in median:
+            print(f"DeepSpeed / floor: {median['deepspeed'] / median['floor']:.2f}x (the largest lead it allows)")
         return 0
     res = _spawn(_cache, args.calls)
     for key in res[0]:
