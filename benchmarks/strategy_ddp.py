@@ -20,6 +20,18 @@ samples/s over ddp's is the ceiling of any communication engine on that config: 
 would show if its all-reduce were free. From the three step times of the same run, ``comm removed`` is
 the share of ddp's communication time that hai_ddp removes: (ddp - hai_ddp) / (ddp - no_comm).
 
+[Note: the floor of a shared core]
+Each rank has one core here, so hai_ddp's reduction (the engine's worker thread, plus any copy on the
+backward thread) cannot run beside backward: it takes turns with it, and every millisecond of its CPU adds
+to the step however well it overlaps. The benchmark measures that cost in the same run: the engine
+thread's CPU time per step (``hfreduce.engine_cpu_seconds``, from ``/proc/self/task/<tid>/schedstat``)
+plus the backward thread's copy time (``Reducer.stats``). ``floor step = no_comm step + reduction CPU`` is
+the fastest step such a reduction allows, and ``share the floor allows = (ddp - floor step) / (ddp -
+no_comm)`` the most of ddp's communication time it can remove. ``hai_ddp above the floor`` (hai_ddp's
+step minus the floor step) is what is not the reduction itself: waiting, scheduling, Python per hook.
+JSON keys per row: ``cpu_ms`` (process CPU per step of each strategy), ``reduction_cpu_ms``,
+``floor_step_ms``, ``floor_share``, ``slack_ms``.
+
 For hai_ddp the reducer's counters (``Reducer.stats``) are printed per step after the warm-up: time the
 backward thread spent copying gradients into shared buckets, time the end of backward waited for the
 all-reduces, megabytes copied and reduced in place, all-reduces launched during backward and at its end.
@@ -45,6 +57,7 @@ from examples.gpt.lightning_module import GPTLightningModule
 from examples.gpt.model import config
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.ddp.reducer import ReducerStats
+from lightning_haiscale.hfreduce import engine_cpu_seconds
 from lightning_haiscale.testing import run_distributed
 
 STRATEGIES = ("ddp", "hai_ddp", "no_comm")
@@ -61,8 +74,14 @@ def _per_step(stats: ReducerStats, steps: int) -> dict[str, float]:
     }
 
 
+def _clocks() -> tuple[float, float, float, float]:
+    """(wall, process CPU, this thread's CPU, the engine threads' CPU), in seconds."""
+    return time.perf_counter(), time.process_time(), time.thread_time(), engine_cpu_seconds()
+
+
 class Throughput(L.Callback):
-    """Samples per second over all replicas from step ``warmup`` to the end, on every rank.
+    """Samples per second over all replicas from step ``warmup`` to the end, on every rank, and CPU time
+    per step: the whole process's, the training thread's and the engine's worker thread's.
 
     Lightning's ThroughputMonitor averages a rolling window on rank 0 and reports through a logger; the
     benchmark wants the whole post-warm-up span, returned by each spawned rank without a logger.
@@ -70,37 +89,39 @@ class Throughput(L.Callback):
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
-        self.start: float | None = None
-        self.end: float | None = None
+        self.first: tuple[float, ...] | None = None
+        self.last: tuple[float, ...] | None = None
         self.samples = 0
         self.steps = 0
         self.phases: dict[str, float] = {}
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if self.start is None and trainer.global_step >= self.warmup:
-            self.start = time.perf_counter()
+        if self.first is None and trainer.global_step >= self.warmup:
+            self.first = _clocks()
             if isinstance(trainer.strategy.model, DistributedDataParallel):
                 trainer.strategy.model.reducer.stats = ReducerStats()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *a: Any):
-        if self.start is not None:
+        if self.first is not None:
             self.samples += batch[0].size(0)
             self.steps += 1
-            self.end = time.perf_counter()
+            self.last = _clocks()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if isinstance(trainer.strategy.model, DistributedDataParallel) and self.steps:
             self.phases = _per_step(trainer.strategy.model.reducer.stats, self.steps)
 
-    def step_ms(self) -> float:
-        if self.start is None or self.end is None or not self.steps:
-            return float("nan")
-        return (self.end - self.start) / self.steps * 1e3
+    def per_step_ms(self) -> dict[str, float]:
+        """Wall-clock and CPU milliseconds per step after the warm-up (NaN without a measured step)."""
+        if self.first is None or self.last is None or not self.steps:
+            return dict.fromkeys(("step_ms", "cpu_ms", "main_cpu_ms", "engine_cpu_ms"), float("nan"))
+        wall, cpu, main, engine = ((b - a) / self.steps * 1e3 for a, b in zip(self.first, self.last, strict=True))
+        return {"step_ms": wall, "cpu_ms": cpu, "main_cpu_ms": main, "engine_cpu_ms": engine}
 
     def samples_per_second(self, trainer: L.Trainer) -> float | None:
-        if self.start is None or self.end is None or self.end <= self.start:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
             return None
-        return self.samples * trainer.world_size / (self.end - self.start)
+        return self.samples * trainer.world_size / (self.last[0] - self.first[0])
 
 
 @dataclass(frozen=True)
@@ -158,7 +179,7 @@ def _worker(rank: int, world: int, strategy: str, bench: BenchConfig) -> dict[st
     trainer.fit(module, datamodule=data)
     return {
         "samples_per_s": throughput.samples_per_second(trainer) or float("nan"),
-        "step_ms": throughput.step_ms(),
+        **throughput.per_step_ms(),
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "params_m": sum(p.numel() for p in module.parameters()) / 1e6,
         **{f"phase_{k}": v for k, v in throughput.phases.items()},
@@ -170,27 +191,52 @@ def _measure(name: str, repeats: int) -> dict[str, dict[str, float]]:
     for repeat in range(repeats):
         for strategy in STRATEGIES if repeat % 2 == 0 else STRATEGIES[::-1]:
             runs[strategy].append(run_distributed(_worker, 2, strategy, CONFIGS[name], timeout=900))
-    return {
+    return {  # rank 0's figures, median over repeats; RSS the largest of any rank
         strategy: {
-            "samples_per_s": statistics.median(r[0]["samples_per_s"] for r in rs),
-            "step_ms": statistics.median(r[0]["step_ms"] for r in rs),
+            **{k: statistics.median(r[0][k] for r in rs) for k in rs[0][0]},
             "rss_mib": max(rank["rss_mib"] for r in rs for rank in r),
-            "params_m": rs[0][0]["params_m"],
-            **{k: statistics.median(r[0][k] for r in rs) for k in rs[0][0] if k.startswith("phase_")},
         }
         for strategy, rs in runs.items()
     }
 
 
-def _print_phases(phases: list[tuple[str, dict[str, float]]]) -> None:
+def _floor(result: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The step a reduction of hai_ddp's measured cost allows, and the share of ddp's communication time
+    removed at that step: see [Note: the floor of a shared core]."""
+    ddp, hai, free = (result[s]["step_ms"] for s in STRATEGIES)
+    reduction = result["hai_ddp"]["engine_cpu_ms"] + result["hai_ddp"].get("phase_copy_ms", 0.0)
+    floor_step = free + reduction
+    gap = ddp - free
+    return {
+        "reduction_cpu_ms": reduction,
+        "floor_step_ms": floor_step,
+        "floor_share": (ddp - floor_step) / gap if gap else float("nan"),
+        "slack_ms": hai - floor_step,  # hai_ddp's step above the floor: what is not the reduction itself
+    }
+
+
+def _print_phases(phases: list[tuple[str, dict[str, dict[str, float]], dict[str, float]]]) -> None:
     print("\nhai_ddp per step (rank 0, median over repeats; Reducer.stats):\n")
     print("| config | copy into buckets | wait at end of backward | copied | reduced in place "
           "| all-reduces during / at end of backward |")  # fmt: skip
     print("|---|---|---|---|---|---|")
-    for name, p in phases:
+    for name, result, _ in phases:
+        p = {k.removeprefix("phase_"): v for k, v in result["hai_ddp"].items() if k.startswith("phase_")}
         print(
             f"| {name} | {p['copy_ms']:.1f} ms | {p['wait_ms']:.1f} ms | {p['copied_mb']:.1f} MB "
             f"| {p['in_place_mb']:.1f} MB | {p['overlapped']:.0f} / {p['at_end']:.0f} |",
+            flush=True,
+        )
+    print("\nCPU per step and the floor of a shared core (rank 0, ms; [Note: the floor of a shared core]):\n")
+    print("| config | process CPU ddp / hai_ddp / no-comm | hai_ddp training thread / engine thread "
+          "| reduction CPU | floor step | share the floor allows | hai_ddp above the floor |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, result, floor in phases:
+        cpu, hai = (result[s]["cpu_ms"] for s in STRATEGIES), result["hai_ddp"]
+        print(
+            f"| {name} | {' / '.join(f'{c:.0f}' for c in cpu)} | {hai['main_cpu_ms']:.0f} / {hai['engine_cpu_ms']:.1f} "
+            f"| {floor['reduction_cpu_ms']:.1f} | {floor['floor_step_ms']:.0f} | {floor['floor_share']:.0%} "
+            f"| {floor['slack_ms']:.0f} |",
             flush=True,
         )
 
@@ -226,7 +272,8 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         hai_phases = {k.removeprefix("phase_"): v for k, v in hai.items() if k.startswith("phase_")}
-        phases.append((name, hai_phases))
+        floor = _floor(result)
+        phases.append((name, result, floor))
         rows.append(
             {
                 "technique": "hai_ddp",
@@ -242,6 +289,8 @@ def main(argv: list[str]) -> int:
                 "step_ms": {s: result[s]["step_ms"] for s in STRATEGIES},
                 "comm_removed": removed,
                 "hai_ddp_phases": hai_phases,
+                "cpu_ms": {s: result[s]["cpu_ms"] for s in STRATEGIES},  # process CPU per step, rank 0
+                **floor,  # reduction_cpu_ms, floor_step_ms, floor_share, slack_ms
             }
         )
     _print_phases(phases)

@@ -57,6 +57,7 @@ double checked_divisor(DType dtype, double divisor) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hfreduce-style shared-memory collective engine (no torch inside; see lightning_haiscale.hfreduce)";
   m.def("simd_level", &hfreduce::simd_level);
+  m.attr("WORKER_THREAD_NAME") = hfreduce::kWorkerThreadName;
   py::register_exception<hfreduce::ShmFullError>(m, "ShmFullError", PyExc_MemoryError);
 
   py::enum_<DType>(m, "DType")  // members named as torch names its dtypes (torch.float32 -> FLOAT32)

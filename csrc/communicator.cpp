@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
@@ -355,6 +356,9 @@ void Communicator::execute(const Job& job) {
 }
 
 void Communicator::worker_loop() {
+  // A name tools can find (top -H, perf, /proc/<pid>/task/*/comm): benchmarks/strategy_ddp.py reads this
+  // thread's CPU time, the cost of the asynchronous collectives, from /proc/self/task/<tid>/schedstat.
+  pthread_setname_np(pthread_self(), kWorkerThreadName);
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     work_cv_.wait(lock, [this] { return (stopping_ && !busy_) || (!queue_.empty() && !busy_); });

@@ -101,6 +101,9 @@ struct Config {
 
 struct Header;
 
+// The OS name of every communicator's worker thread (at most 15 characters, a Linux limit).
+inline constexpr char kWorkerThreadName[] = "hfreduce-engine";
+
 class Communicator {
  public:
   explicit Communicator(Config config);

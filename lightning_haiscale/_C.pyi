@@ -5,6 +5,8 @@ import enum
 
 def simd_level() -> str: ...
 
+WORKER_THREAD_NAME: str  # the OS name of every communicator's worker thread
+
 class ShmFullError(MemoryError): ...
 
 class DType(enum.Enum):  # named as torch names its dtypes (torch.float32 -> FLOAT32)

@@ -1,6 +1,6 @@
 """The hfreduce-style collective engine: shared-memory, SIMD, asynchronous, hierarchical across hosts."""
 
-from lightning_haiscale.hfreduce._native import simd_level
+from lightning_haiscale.hfreduce._native import engine_cpu_seconds, simd_level
 from lightning_haiscale.hfreduce.communicator import Communicator, ReduceOp
 from lightning_haiscale.hfreduce.dtypes import supports_dtype
 from lightning_haiscale.hfreduce.errors import (
@@ -23,6 +23,7 @@ __all__ = [
     "ReduceOp",
     "SharedMemoryTooSmallError",
     "Work",
+    "engine_cpu_seconds",
     "simd_level",
     "supports_dtype",
 ]

@@ -35,6 +35,24 @@ def simd_level() -> str:
     return load_engine().simd_level()
 
 
+def engine_cpu_seconds() -> float:
+    """CPU time this process's engine worker threads have used so far (every communicator's), in seconds.
+
+    What the asynchronous collectives cost, apart from the thread that queued them: hai_ddp's benchmark
+    compares it with the step time. Read from ``/proc/self/task/<tid>/schedstat`` (nanoseconds) of each
+    thread named ``_C.WORKER_THREAD_NAME``; 0.0 where ``/proc`` has no such file (not Linux).
+    """
+    name = load_engine().WORKER_THREAD_NAME
+    total_ns = 0
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            if (task / "comm").read_text().strip() == name:
+                total_ns += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile, or no schedstat
+            continue
+    return total_ns / 1e9
+
+
 def explain_missing_engine(exc: ImportError, package_dir: Path) -> str:
     """Why ``_C`` did not import from ``package_dir`` (the installed ``lightning_haiscale``) and how to build it."""
     built = sorted(p.name for p in package_dir.glob("_C.*so"))

@@ -25,6 +25,7 @@ from lightning_haiscale.hfreduce import (
     HFReducePeerError,
     HFReduceTimeoutError,
     SharedMemoryTooSmallError,
+    engine_cpu_seconds,
     shared_memory,
 )
 from tests.distributed import run_distributed
@@ -290,3 +291,29 @@ def test_a_synchronous_call_wakes_no_thread() -> None:
     switch) during synchronous all-reduces. The engine's idle worker thread used to be woken by each one:
     about one context switch per call (see [Note: two condition variables] in csrc/communicator.h)."""
     assert run_distributed(_sleeps_during_synchronous_calls, 1)[0] < 100
+
+
+def _engine_cpu(rank: int, world: int) -> tuple[float, float, float]:
+    comm = Communicator()
+    t = torch.ones(16 << 20)  # 64 MiB
+    comm.all_reduce(t)  # on the caller's thread: not the engine's
+    start = engine_cpu_seconds()
+    for _ in range(3):
+        comm.all_reduce(t)
+    inline = engine_cpu_seconds() - start
+    caller = time.thread_time()
+    works = [comm.all_reduce(t, async_op=True) for _ in range(3)]
+    for work in works:
+        work.wait()
+    caller = time.thread_time() - caller
+    queued = engine_cpu_seconds() - start - inline
+    comm.close()
+    return inline, queued, caller
+
+
+def test_engine_cpu_seconds_counts_the_worker_thread_alone() -> None:
+    """The benchmark's floor (benchmarks/strategy_ddp.py [Note: the floor of a shared core]) rests on it:
+    asynchronous all-reduces show up as the engine thread's CPU, synchronous ones (the caller's) do not."""
+    inline, queued, caller = run_distributed(_engine_cpu, 1)[0]
+    assert inline < 0.005, f"synchronous all-reduces counted as engine CPU: {inline:.3f} s"
+    assert queued > 0.01 and queued > 4 * caller, f"3 async 64 MiB all-reduces: engine {queued}, caller {caller} s"
