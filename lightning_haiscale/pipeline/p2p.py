@@ -173,8 +173,10 @@ def _fits(buffer: torch.Tensor, metas: Sequence[TensorMeta], device: torch.devic
 
 def _only_holder(buffer: torch.Tensor) -> bool:
     """Whether no tensor but the pool's ``buffer`` uses its storage (the storage object made here to ask
-    counts one more)."""
-    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == 2
+    counts one more). torch has no public count: where its private one is missing, the answer is no, so a
+    buffer is never reused; every message then gets a fresh one, which is correct and costs the allocation."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(buffer.untyped_storage()._cdata) == 2
 
 
 class _StagedWork:

@@ -89,6 +89,17 @@ def _held_past_their_step(rank: int, world: int) -> None:
                 torch.testing.assert_close(kept[step][m], outputs[step][m], msg=f"step {step} microbatch {m}")
 
 
+def test_without_torchs_use_count_every_message_gets_a_fresh_buffer(monkeypatch) -> None:
+    """The count is private to torch: a torch without it loses the reuse, never the correctness."""
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    pool = p2p.BufferPool()
+    first = pool.get(("a",), META, CPU)
+    address = first.data_ptr()
+    del first
+    kept = pool.get(("a",), META, CPU)  # nothing holds the first buffer, but nothing can tell
+    assert kept.data_ptr() != address
+
+
 def test_a_stolen_gradient_and_a_kept_output_are_not_overwritten_by_the_next_step() -> None:
     run_distributed(_held_past_their_step, 2)
 
