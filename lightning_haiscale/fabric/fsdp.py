@@ -80,6 +80,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
         self.state_dict_type = check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
         self._fsdp_kwargs = options
         self._backward_sync_control = NoSyncControl(FullyShardedDataParallel, "hai_fsdp")
+        self._wrapped: list[FullyShardedDataParallel] = []
 
     @override
     def setup_environment(self) -> None:
@@ -90,7 +91,9 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
 
     @override
     def setup_module(self, module: nn.Module) -> FullyShardedDataParallel:
-        return wrap_hai_fsdp(module, self.root_device, self._timeout, self.precision.precision, self._fsdp_kwargs)
+        wrapped = wrap_hai_fsdp(module, self.root_device, self._timeout, self.precision.precision, self._fsdp_kwargs)
+        self._wrapped.append(wrapped)
+        return wrapped
 
     @override
     def setup_module_and_optimizers(
@@ -218,6 +221,14 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
             else:
                 state[name] = checkpoint.pop(name)
         return checkpoint
+
+    @override
+    def teardown(self) -> None:
+        """Closes every wrapper set up (stops its engine), then Fabric's teardown."""
+        for wrapped in self._wrapped:
+            wrapped.close()
+        self._wrapped.clear()
+        super().teardown()
 
     @classmethod
     @override

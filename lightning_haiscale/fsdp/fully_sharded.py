@@ -103,7 +103,7 @@ class FullyShardedDataParallel(nn.Module):
         device_id: device of the shards (an index means a CUDA device); default the parameters' device.
         param_init_fn: ``fn(module)`` initializing a module's meta-device parameters in place;
             default ``module.reset_parameters()``.
-        communicator: an existing engine to share (its group is used).
+        communicator: an existing engine to share (its group is used; :meth:`close` stops it).
         arrival_timeout: how long a collective call (``state_dict()`` outside ``summon_full_params``,
             ``summon_full_params()``) waits for every rank to make it before raising
             :class:`~lightning_haiscale.fsdp.arrival.CollectiveMisuseError` (see [Note: why an arrival check]).
@@ -130,6 +130,7 @@ class FullyShardedDataParallel(nn.Module):
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
         self.comm = communicator if communicator is not None else Communicator(process_group)
+        self._closed = False
         self.device = _resolve_device(device_id, module)
         units = unit_modules(module, auto_wrap_policy)
         self._groups = self._build_groups(units, param_init_fn)
@@ -192,6 +193,7 @@ class FullyShardedDataParallel(nn.Module):
     # ----------------------------------------------------------------------------- forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._open()
         self._pre_backward_done.clear()
         self._callback_queued = False
         if self._root_group is not None:
@@ -305,6 +307,29 @@ class FullyShardedDataParallel(nn.Module):
         """Backward passes inside accumulate unsharded gradients locally; the first one outside reduces them."""
         return sync_off(self, "_sync_grads")
 
+    def close(self) -> None:
+        """Stops the communication engine (its thread and shared memory) when training is over. Idempotent.
+
+        The shards stay: the next forward, ``summon_full_params()`` or collective checkpoint call starts a new
+        engine over the same group (collectively, as construction did) and closes it again only on request.
+        """
+        self.comm.close()
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` stopped the engine and no call has needed a new one since."""
+        return self._closed
+
+    def _open(self) -> None:
+        """Before a collective: a new engine if :meth:`close` stopped the last one (see :meth:`close`)."""
+        if not self._closed:
+            return
+        self.comm = Communicator(self.comm.group, timeout=self.comm.timeout)
+        for group in self._groups.values():
+            group.comm = self.comm
+        self._closed = False
+
     @contextmanager
     def summon_full_params(self, writeback: bool = True, rank0_only: bool = False) -> Iterator[None]:
         """Inside, the wrapped module holds its whole parameters (on rank 0 only with ``rank0_only``).
@@ -325,6 +350,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._holds_full is not None:
             raise RuntimeError("summon_full_params() is already active on this model; do not nest it")
         self.expect_every_rank("summon_full_params()")
+        self._open()
         summoned: list[tuple[FSDPParamGroup, torch.Tensor]] = []
         self._holds_full = not rank0_only or self.comm.rank == 0
         try:
@@ -425,6 +451,7 @@ class FullyShardedDataParallel(nn.Module):
         """``optimizer``'s whole state by parameter name, on the CPU of rank 0 (``{}`` elsewhere, unless not
         ``rank0_only``). Collective: a call on a subset of ranks raises ``CollectiveMisuseError``."""
         self.expect_every_rank("full_optim_state_dict()")
+        self._open()
         keep = not rank0_only or self.comm.rank == 0
         return gather_full_optim_state(self.layout, self._pieces(), optimizer, self.comm, keep)
 
@@ -444,6 +471,7 @@ class FullyShardedDataParallel(nn.Module):
         load_local_optim_states(self.layout, self._pieces(), optimizer, shards)
 
     def _gather_full_state(self, rank0_only: bool) -> dict[str, torch.Tensor]:
+        self._open()
         keep = not rank0_only or self.comm.rank == 0
         return gather_full_state(self.layout, self._flat_shards(), self._buffers_by_name(), self.comm, keep)
 

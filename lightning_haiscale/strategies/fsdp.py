@@ -211,6 +211,10 @@ class HaiFSDPStrategy(HaiParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        """Closes the wrapper's engine (a later fit, validation or checkpoint call starts a new one), then
+        Lightning's teardown. The wrapper stays: the module keeps its shards for the next Trainer."""
+        if isinstance(self.model, FullyShardedDataParallel):
+            self.model.close()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()

@@ -12,15 +12,21 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric.accelerators import CPUAccelerator
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_haiscale  # noqa: F401  (registers "hai_fsdp")
 from examples.gpt.lightning_module import GPTLightningModule, decay_groups
 from examples.gpt.model import GPT, Block, config, lm_loss
+from lightning_haiscale import fabric
 from lightning_haiscale.fsdp import FullyShardedDataParallel
+from lightning_haiscale.hfreduce import HFReduceError
 from lightning_haiscale.strategies import HaiFSDPStrategy
 from tests.distributed import run_distributed
 from tests.fsdp.helpers import deterministic_init
@@ -147,6 +153,34 @@ def _bf16_mixed(rank: int, world: int, tmp: Path) -> None:
     torch.testing.assert_close(bf16.losses, fp32.losses, rtol=2e-2, atol=0)
 
 
+def _teardown_closes_the_engine(rank: int, world: int, tmp: Path) -> None:
+    """The Trainer's and Fabric's teardown stop the wrapper's engine (as hai_ddp's do); a later call that needs
+    one (validation with the same module, a full checkpoint) starts a new one."""
+    data = lm_dataset(CFG, 2 * world * BATCH)
+    module = _GPT(CFG)
+    trainer = quiet_fit(module, _strategy(), 1, data, BATCH)
+    wrapper = trainer.strategy.model
+    stopped = wrapper.comm
+    with pytest.raises(HFReduceError, match="stopped"):
+        stopped.barrier()
+    assert wrapper.closed
+    trainer.limit_val_batches = 1
+    trainer.validate(module, DataLoader(data, batch_size=BATCH), verbose=False)  # the same wrapper
+    assert trainer.strategy.model is wrapper and wrapper.comm is not stopped and wrapper.closed
+    assert (len(wrapper.full_state_dict()) > 0) == (rank == 0)
+    wrapper.close()  # idempotent
+    strategy = fabric.HaiFSDPStrategy(
+        accelerator=CPUAccelerator(),
+        cluster_environment=LightningEnvironment(),
+        parallel_devices=[torch.device("cpu")] * world,
+    )
+    wrapped = [strategy.setup_module(nn.Linear(4, 2)), strategy.setup_module(nn.Linear(2, 2))]
+    strategy.teardown()
+    for model in wrapped:
+        with pytest.raises(HFReduceError, match="stopped"):
+            model.comm.barrier()
+
+
 def _run_all(rank: int, world: int, tmp: str, checks: list[Any]) -> None:
     for check in checks:
         check(rank, world, Path(tmp))
@@ -173,7 +207,7 @@ def _resume_on_four_ranks(rank: int, world: int, tmp: str) -> list[list[float]]:
 
 
 def test_hai_fsdp_strategy(tmp_path: Path) -> None:
-    checks = [_parity_accumulation_and_full_checkpoint, _resume, _bf16_mixed]
+    checks = [_parity_accumulation_and_full_checkpoint, _resume, _bf16_mixed, _teardown_closes_the_engine]
     run_distributed(_run_all, 2, str(tmp_path), checks, timeout=240)
     sharded, full = run_distributed(_resume_on_four_ranks, 4, str(tmp_path), timeout=300)[0]
     assert len(sharded) == 3 and sharded == full  # bit-for-bit
