@@ -149,14 +149,15 @@ class BufferPool:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._buffers: dict[tuple[Any, ...], tuple[torch.Tensor, int | None]] = {}
 
     def get(self, key: tuple[Any, ...], metas: Sequence[TensorMeta], device: torch.device) -> torch.Tensor:
         """A view of the buffer for message ``key`` laid out for ``metas`` (``empty_buffer``'s layout)."""
-        buffer = self._buffers.get(key)
-        if buffer is None or not _fits(buffer, metas, device) or not _only_holder(buffer):
-            buffer = self._buffers[key] = empty_buffer(metas, device)
-        return buffer.detach()
+        kept = self._buffers.get(key)
+        if kept is None or not _fits(kept[0], metas, device) or not _unheld(*kept):
+            buffer = empty_buffer(metas, device)
+            kept = self._buffers[key] = (buffer, _use_count(buffer))
+        return kept[0].detach()
 
     def clear(self) -> None:
         """Drops every buffer (after a failed step, whose receives may still be pending)."""
@@ -171,12 +172,20 @@ def _fits(buffer: torch.Tensor, metas: Sequence[TensorMeta], device: torch.devic
     return buffer.dtype == torch.uint8 and buffer.numel() == max(_offsets(metas)[1], 1)
 
 
-def _only_holder(buffer: torch.Tensor) -> bool:
-    """Whether no tensor but the pool's ``buffer`` uses its storage (the storage object made here to ask
-    counts one more). torch has no public count: where its private one is missing, the answer is no, so a
-    buffer is never reused; every message then gets a fresh one, which is correct and costs the allocation."""
+def _use_count(buffer: torch.Tensor) -> int | None:
+    """torch's count of the users of ``buffer``'s storage, or None where torch lacks it (it is private).
+
+    What the count includes besides tensors differs between versions (the storage object made to ask is
+    one more on torch 2.13, none on 2.6), so the pool compares it with the count it read when it made the
+    buffer, when nothing but the buffer held the storage."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return use_count is not None and use_count(buffer.untyped_storage()._cdata) == 2
+    return None if use_count is None else use_count(buffer.untyped_storage()._cdata)
+
+
+def _unheld(buffer: torch.Tensor, alone: int | None) -> bool:
+    """Whether nothing but the pool's ``buffer`` uses its storage, as when it was made (``alone``). Without
+    torch's count the answer is no: every message then gets a fresh buffer, correct at the allocation's cost."""
+    return alone is not None and _use_count(buffer) == alone
 
 
 class _StagedWork:
