@@ -35,6 +35,7 @@ MIN_VENV ?= .venv-min
 MIN_PINS := "torch==2.6.0" "lightning==2.6.0" "typing_extensions==4.10.0"
 MIN_TESTS := tests/hfreduce/test_kernels.py tests/hfreduce/test_native.py tests/ddp/test_buckets.py \
 	tests/pipeline/test_schedule.py tests/pipeline/test_buffer_reuse.py tests/cpu_offload/test_selection.py \
+	tests/cpu_offload/test_region.py \
 	tests/ddp/test_distributed.py::test_two_processes tests/strategies/test_hai_ddp.py::test_hai_ddp_on_two_processes \
 	tests/strategies/test_hai_fsdp.py::test_hai_fsdp_strategy \
 	tests/strategies/test_pipeline_strategies.py::test_strategies_train_like_one_process

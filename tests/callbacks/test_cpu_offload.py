@@ -25,12 +25,13 @@ from lightning_haiscale import CPUOffloadCallback
 from lightning_haiscale.cpu_offload import CPUOffload, offload_stats
 from lightning_haiscale.strategies import PipeDreamStrategy
 from tests.distributed import run_distributed
+from tests.saved_hooks import installed_hooks
 
 OPTIONS = {"min_bytes": 0, "force_copy": True}
 
 
 def _hooks_active() -> bool:
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    return installed_hooks() is not None
 
 
 class GPTModule(pl.LightningModule):

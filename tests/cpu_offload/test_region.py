@@ -19,6 +19,7 @@ from lightning_haiscale.cpu_offload import CPUOffload, PinnedBufferPool, offload
 from lightning_haiscale.cpu_offload import region as region_module
 from lightning_haiscale.cpu_offload.stats import region_record
 from lightning_haiscale.cpu_offload.transfer import HostTransfer
+from tests.saved_hooks import installed_hooks
 
 _TAGS = itertools.count()
 
@@ -28,7 +29,7 @@ def _tag() -> str:
 
 
 def _hooks_top():
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return installed_hooks()
 
 
 @pytest.fixture(scope="module")
@@ -394,7 +395,7 @@ def test_each_offloaded_span_is_copied_out_once_and_its_buffer_returned(gpt, mon
 
 
 def _installed_pack():
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)[0]
+    return installed_hooks()[0]
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
