@@ -5,7 +5,9 @@
 Each benchmark runs as its own subprocess (its log under ``benchmarks/logs/``) and writes rows as JSON:
 ``technique, config, ours, peer, metric, ours_value, peer_value`` (higher is better) and, where measured,
 ``ours_rss_mib, peer_rss_mib``, ``ours_pss_mib, peer_pss_mib`` (peak memory per rank) and ``ceiling_value``
-(the metric of a run with no communication at all: the ceiling of the ratio) and ``spread`` (how far two runs
+(the metric of a run with no communication at all: the ceiling of the ratio), ``floor_share`` and
+``reduction_cpu_ms`` (the share of the peer's communication time a reduction of the measured CPU cost allows) and
+``spread`` (how far two runs
 of the same implementation in this run are apart: the noise to read the ratio against). The report is data-driven: a
 row a benchmark adds shows up in the table and the chart as it is, and an optional column appears when some
 row fills it. The summary table replaces the block between the report markers at the top of RESULTS.md;
@@ -179,6 +181,14 @@ def comm_removed(row: dict) -> float | None:
 COMM_BOUND = 0.1  # the least share of the peer's step spent communicating for comm_removed to be shown
 
 
+def _floor(row: dict) -> str:
+    """The share a reduction that costs what it measured (``reduction_cpu_ms`` a step, on a core that also
+    computes) allows: (peer - floor step) / (peer - ceiling), shown where the share removed is."""
+    if comm_removed(row) is None or row.get("floor_share") is None:
+        return ""
+    return f"{row['floor_share']:.0%} ({row['reduction_cpu_ms']:.0f} ms CPU a step)"
+
+
 def _memory(row: dict, kind: str) -> str:
     ours, peer = row.get(f"ours_{kind}_mib"), row.get(f"peer_{kind}_mib")
     return f"{ours:.0f} / {peer:.0f} MiB ({ours / peer:.2f})" if ours and peer else ""
@@ -188,6 +198,7 @@ def _memory(row: dict, kind: str) -> str:
 _OPTIONAL_COLUMNS = (
     ("no-comm ceiling", lambda r: f"{c:.2f}x" if (c := ceiling_ratio(r)) else ""),
     ("share of the peer's comm time removed", lambda r: f"{s:.0%}" if (s := comm_removed(r)) is not None else ""),
+    ("share the reduction's own CPU allows", lambda r: _floor(r)),
     ("peak RSS/rank ours / peer", lambda r: _memory(r, "rss")),
     ("peak PSS/rank ours / peer", lambda r: _memory(r, "pss")),
     ("same-side spread", lambda r: f"{r['spread']:.0%}" if r.get("spread") is not None else ""),
@@ -223,7 +234,9 @@ def summary(rows: list[dict], command: str) -> str:
         f"Command: `{command}`. Higher is better; ratio = ours / peer; the ceiling is the ratio of a run with no "
         "communication at all, and the share of the peer's communication time removed is (peer - ours) / "
         f"(peer - ceiling) in step time, where communication is at least {COMM_BOUND:.0%} of the peer's step "
-        "(memory: ours / peer, lower is better). The same-side spread is how far apart two runs of one "
+        "(memory: ours / peer, lower is better). The share the reduction's own CPU allows is that share for a "
+        "step of the no-communication run plus the CPU time the reduction itself took (ranks that own one core "
+        "each cannot hide it behind compute). The same-side spread is how far apart two runs of one "
         "implementation are in this run (slowest / fastest - 1): a ratio within it is noise.",
         "",
         "| technique | config | ours | peer | metric | ours | peer | ratio |" + "".join(f" {h} |" for h, _ in columns),
@@ -319,6 +332,8 @@ def _speed_panel(ax: Any, rows: list[dict]) -> None:
             text += f"\nceiling {ceilings[i]:.2f}x"
         if (share := comm_removed(r)) is not None:
             text += f"\n{share:.0%} of comm\nremoved"
+            if r.get("floor_share") is not None:
+                text += f"\n(floor {r['floor_share']:.0%})"
         top = max(ratio(r), ceilings[i] or 0, 1.0)
         ax.annotate(text, (i, top), ha="center", va="bottom", fontsize=6, linespacing=0.9)
     ax.set_xticks(x, [_label(r) for r in rows], fontsize=6, rotation=45, ha="right")

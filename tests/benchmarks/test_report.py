@@ -157,3 +157,14 @@ def test_same_side_spread_is_a_column_only_where_measured() -> None:
     assert next(line for line in block.splitlines() if "| GPipe |" in line).endswith("| 10% |")
     plain = report.summary(ROWS, "x")
     assert "same-side spread" not in next(line for line in plain.splitlines() if line.startswith("| technique"))
+
+
+def test_the_floor_share_stands_beside_the_share_removed() -> None:
+    """hai_ddp's rows carry the share a reduction of the measured CPU cost allows; shown where the share is."""
+    comm = dict(ROWS[0], floor_share=0.87, reduction_cpu_ms=74.3)
+    compute = dict(_ddp_row("compute: tiny 8x256", 83.9, 85.2, 86.4), floor_share=0.5, reduction_cpu_ms=0.4)
+    block = report.summary([comm, compute], "x")
+    lines = block.splitlines()
+    assert "share the reduction's own CPU allows" in next(line for line in lines if line.startswith("| technique"))
+    assert "| 65% | 87% (74 ms CPU a step) |" in next(line for line in lines if "| comm: small" in line)
+    assert "(74 ms" not in next(line for line in lines if "| compute:" in line)  # no share shown there
