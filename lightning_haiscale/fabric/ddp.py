@@ -14,7 +14,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
-from lightning_haiscale.fabric.shared import NoSyncControl
+from lightning_haiscale.fabric.shared import NoSyncControl, Wrapped
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout
 from lightning_haiscale.strategies.ddp import hai_ddp_options, wrap_hai_ddp
 from lightning_haiscale.strategies.parallel import register_once
@@ -57,12 +57,12 @@ class HaiDDPStrategy(DDPStrategy):
         )
         self._hai_kwargs = options
         self._backward_sync_control = NoSyncControl(DistributedDataParallel, "hai_ddp")
-        self._wrapped: list[DistributedDataParallel] = []
+        self._wrapped = Wrapped()
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         wrapped = wrap_hai_ddp(module, self._determine_ddp_device_ids(), self._timeout, self._hai_kwargs)
-        self._wrapped.append(wrapped)
+        self._wrapped.add(wrapped)
         return wrapped
 
     @override
@@ -76,9 +76,7 @@ class HaiDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         """Closes every wrapper set up (stops its engine), then Fabric's teardown."""
-        for wrapped in self._wrapped:
-            wrapped.close()
-        self._wrapped.clear()
+        self._wrapped.close_all()
         super().teardown()
 
     @classmethod

@@ -25,7 +25,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_haiscale.fabric.shared import NoSyncControl, Sharded
+from lightning_haiscale.fabric.shared import NoSyncControl, Sharded, Wrapped
 from lightning_haiscale.fsdp import (
     BackwardPrefetch,
     FullyShardedDataParallel,
@@ -80,7 +80,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
         self.state_dict_type = check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
         self._fsdp_kwargs = options
         self._backward_sync_control = NoSyncControl(FullyShardedDataParallel, "hai_fsdp")
-        self._wrapped: list[FullyShardedDataParallel] = []
+        self._wrapped = Wrapped()
 
     @override
     def setup_environment(self) -> None:
@@ -92,7 +92,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
     @override
     def setup_module(self, module: nn.Module) -> FullyShardedDataParallel:
         wrapped = wrap_hai_fsdp(module, self.root_device, self._timeout, self.precision.precision, self._fsdp_kwargs)
-        self._wrapped.append(wrapped)
+        self._wrapped.add(wrapped)
         return wrapped
 
     @override
@@ -225,9 +225,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
     @override
     def teardown(self) -> None:
         """Closes every wrapper set up (stops its engine), then Fabric's teardown."""
-        for wrapped in self._wrapped:
-            wrapped.close()
-        self._wrapped.clear()
+        self._wrapped.close_all()
         super().teardown()
 
     @classmethod

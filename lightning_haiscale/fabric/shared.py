@@ -1,4 +1,5 @@
-"""What the Fabric strategies share: one backward-sync control over the wrappers' ``no_sync()``.
+"""What the Fabric strategies share: one backward-sync control over the wrappers' ``no_sync()``, and the
+record of the wrappers a strategy made, which its teardown closes.
 
 The private Fabric names they build on (``_BackwardSyncControl``, ``_Sharded``: interfaces every Fabric strategy
 implements) are imported in this one module, so a Lightning upgrade touches one place, as
@@ -8,12 +9,13 @@ implements) are imported in this one module, so a Lightning upgrade touches one 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
 
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["NoSyncControl", "Sharded"]
+__all__ = ["NoSyncControl", "Sharded", "Wrapped"]
 
 Sharded = _Sharded  # Fabric's interface of a strategy that shards parameters at creation
 
@@ -40,3 +42,22 @@ class NoSyncControl(_BackwardSyncControl):
                 f"{type(module).__name__}"
             )
         return module.no_sync()
+
+
+class _Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+class Wrapped:
+    """The wrappers ``fabric.setup`` made, each holding an engine: teardown closes them all (idempotent)."""
+
+    def __init__(self) -> None:
+        self._wrappers: list[_Closeable] = []
+
+    def add(self, wrapper: _Closeable) -> None:
+        self._wrappers.append(wrapper)
+
+    def close_all(self) -> None:
+        for wrapper in self._wrappers:
+            wrapper.close()
+        self._wrappers.clear()
