@@ -10,7 +10,9 @@ backward); once the post-accumulate-grad hooks of the unit's parameters (see par
 views and storage]) have all fired, the unit starts reducing its gradients (with ``BACKWARD_POST``, after
 starting the next all-gather) and reshards, then finishes the previous unit's reduction (see [Note: one
 reduce-scatter in flight]). Entering a unit's backward first starts reducing the gradients another,
-interrupted unit already has (param_group [Note: reducing a unit's gradients]). A callback queued on the
+interrupted unit already has (param_group [Note: reducing a unit's gradients]) and lets it give back the pages
+of the gathered parameters nothing will read again (release [Note: releasing gathered parameters early]).
+A callback queued on the
 autograd engine by the root's pre-backward hook waits for the last reductions once the whole backward is
 done, and gives the pieces their ``.grad``.
 All ranks must run the same units in the same order, as with torch FSDP.
@@ -189,6 +191,8 @@ class FullyShardedDataParallel(nn.Module):
             if unit is not self.module:
                 unit.register_forward_pre_hook(functools.partial(self._unit_pre_forward, group))
                 unit.register_forward_hook(functools.partial(self._unit_post_forward, group))
+            for holder in group.holder_modules():  # see release [Note: releasing gathered parameters early]
+                holder.register_forward_pre_hook(lambda module, args, group=group: group.gather_again())
 
     # ----------------------------------------------------------------------------- forward
 
@@ -253,6 +257,7 @@ class FullyShardedDataParallel(nn.Module):
             del self._unfinished[id(other)]  # see param_group [Note: reducing a unit's gradients]
             if other.reduce_arrived():
                 self._reduction_started(other)
+            other.release_unread()
         if self._backward_order is None:
             self._recording.append(group)
         group.unshard()

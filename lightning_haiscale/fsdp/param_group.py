@@ -50,6 +50,7 @@ from torch import nn
 from lightning_haiscale.fsdp.api import MixedPrecision
 from lightning_haiscale.fsdp.collectives import all_gather_shards, all_reduce_grad, gather_unit, reduce_scatter_grads
 from lightning_haiscale.fsdp.layout import ParamSlice, UnitLayout
+from lightning_haiscale.fsdp.release import give_back, storage_use_count, unread
 from lightning_haiscale.fsdp.wrap import ParamRef
 from lightning_haiscale.hfreduce import Communicator, Work
 
@@ -111,6 +112,7 @@ class FSDPParamGroup:
         self.full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
         self.leaves = self._make_leaves()
         """Each parameter as an autograd leaf viewing ``full``'s storage (see [Note: unsharded views and storage])."""
+        self._own_views = storage_use_count(self.full)  # ``full`` and the leaves: see release [Note: ...]
         _free(self.full)
         self._needs_grad = sum(p.requires_grad for p in self.pieces)
         self.state = ShardState.SHARDED
@@ -120,6 +122,8 @@ class FSDPParamGroup:
         self._reductions: list[tuple[Work, Callable[[], None]]] = []  # in flight, each with what ends it
         self._reduced: torch.Tensor | None = None  # this backward's reduced shard, until finalize_grads
         self._in_parts = False  # this backward reduces the unit parameter by parameter
+        self._released: set[int] = set()  # leaves whose pages went back to the OS while unsharded
+        self._gather_on_forward = False  # a forward of the unit's modules must gather again (released pages)
         self.grad_space: Callable[[], torch.Tensor] = self.fresh_shard
         """Where a reduced shard goes (see [Note: one buffer for the reduced gradients])."""
         self.use_pieces()
@@ -172,6 +176,10 @@ class FSDPParamGroup:
         """Every parameter as a view of an unsharded flat buffer ``full``, in original shapes."""
         return self.layout.full_views(full)
 
+    def holder_modules(self) -> list[nn.Module]:
+        """Every module that holds one of this unit's parameters, once each."""
+        return list({id(m): m for holders in self._holders for m, _ in holders}.values())
+
     def set_params(self, tensors: list[torch.Tensor]) -> None:
         """The modules hold ``tensors`` (one per parameter, in ``infos`` order) in the parameters' places."""
         for holders, tensor in zip(self._holders, tensors, strict=True):
@@ -193,11 +201,38 @@ class FSDPParamGroup:
         if self.state is not ShardState.SHARDED:
             return
         _alloc(self.full)
-        shard = self.flat_shard if self.param_dtype == self.dtype else self.flat_shard.to(self.param_dtype)
-        self._unshard_work = all_gather_shards(self.comm, self.full, shard, async_op=True)
+        self._unshard_work = all_gather_shards(self.comm, self.full, self._gather_input(), async_op=True)
         self.state = ShardState.UNSHARDING
         if not async_op:
             self.wait_unshard()
+
+    def _gather_input(self) -> torch.Tensor:
+        return self.flat_shard if self.param_dtype == self.dtype else self.flat_shard.to(self.param_dtype)
+
+    def release_unread(self) -> int:
+        """Backward entered another unit while this one stays unsharded: gives the OS back the pages of the
+        gathered parameters that nothing in the autograd graph reads any more (see release [Note: releasing
+        gathered parameters early]). Returns the bytes released."""
+        if self.state is not ShardState.UNSHARDED:
+            return 0
+        self._gather_on_forward = True  # on every rank alike, whatever each releases
+        if self._own_views is None or storage_use_count(self.full) != self._own_views:
+            return 0  # another tensor views the storage: a saved view or an alias may read any leaf
+        released = 0
+        for index, leaf in enumerate(self.leaves):
+            if index not in self._released and unread(leaf):
+                released += give_back(leaf)
+                self._released.add(index)
+        return released
+
+    def gather_again(self) -> None:
+        """A forward of this unit's modules during backward (recomputation), after :meth:`release_unread`:
+        gathers the parameters again, on every rank."""
+        if not self._gather_on_forward:
+            return
+        self._gather_on_forward = False
+        self._released.clear()
+        all_gather_shards(self.comm, self.full, self._gather_input(), async_op=False)
 
     def wait_unshard(self) -> None:
         """UNSHARDING -> UNSHARDED."""
@@ -213,6 +248,8 @@ class FSDPParamGroup:
             return
         self.wait_unshard()
         _free(self.full)
+        self._released.clear()
+        self._gather_on_forward = False
         self.state = ShardState.SHARDED
         self.use_pieces()
 
