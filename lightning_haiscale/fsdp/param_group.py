@@ -50,7 +50,7 @@ from torch import nn
 from lightning_haiscale.fsdp.api import MixedPrecision
 from lightning_haiscale.fsdp.collectives import all_gather_shards, all_reduce_grad, gather_unit, reduce_scatter_grads
 from lightning_haiscale.fsdp.layout import ParamSlice, UnitLayout
-from lightning_haiscale.fsdp.release import give_back, storage_use_count, unread
+from lightning_haiscale.fsdp.release import Released, give_back, storage_use_count, unread
 from lightning_haiscale.fsdp.wrap import ParamRef
 from lightning_haiscale.hfreduce import Communicator, Work
 
@@ -123,7 +123,12 @@ class FSDPParamGroup:
         self._reduced: torch.Tensor | None = None  # this backward's reduced shard, until finalize_grads
         self._in_parts = False  # this backward reduces the unit parameter by parameter
         self._released: set[int] = set()  # leaves whose pages went back to the OS while unsharded
-        self._gather_on_forward = False  # a forward of the unit's modules must gather again (released pages)
+        self._candidates: set[int] = set()  # leaves considered for release (alike on every rank)
+        self._ran: set[int] = set()  # modules holding a parameter that ran their forward since the unit's
+        self._held_by: dict[int, list[int]] = {}  # module -> the leaves it holds
+        for index, holders in enumerate(self._holders):
+            for module, _ in holders:
+                self._held_by.setdefault(id(module), []).append(index)
         self.grad_space: Callable[[], torch.Tensor] = self.fresh_shard
         """Where a reduced shard goes (see [Note: one buffer for the reduced gradients])."""
         self.use_pieces()
@@ -191,8 +196,9 @@ class FSDPParamGroup:
         self.set_params(self.pieces)
 
     def use_unsharded_views(self) -> None:
-        """The modules hold the leaves viewing ``full`` (autograd fills each one's ``.grad``)."""
-        self.set_params(self.leaves)
+        """The modules hold the leaves viewing ``full`` (autograd fills each one's ``.grad``), but for those
+        released (:meth:`release_unread`), which a forward of their module gathers again first."""
+        self.set_params([Released(leaf) if i in self._released else leaf for i, leaf in enumerate(self.leaves)])
 
     # ----------------------------------------------------------------------- transitions
 
@@ -209,30 +215,43 @@ class FSDPParamGroup:
     def _gather_input(self) -> torch.Tensor:
         return self.flat_shard if self.param_dtype == self.dtype else self.flat_shard.to(self.param_dtype)
 
-    def release_unread(self) -> int:
-        """Backward entered another unit while this one stays unsharded: gives the OS back the pages of the
-        gathered parameters that nothing in the autograd graph reads any more (see release [Note: releasing
-        gathered parameters early]). Returns the bytes released."""
+    def start_forward(self) -> None:
+        """A forward of the unit begins: no module of it has run yet."""
+        self._ran.clear()
+
+    def release_unread(self, in_forward: bool = False) -> int:
+        """Forward or backward entered another unit while this one stays unsharded: gives the OS back the pages
+        of the gathered parameters that nothing reads any more (see release [Note: releasing gathered
+        parameters early]); in forward, only those whose modules have all run. Returns the bytes released."""
         if self.state is not ShardState.UNSHARDED:
             return 0
-        self._gather_on_forward = True  # on every rank alike, whatever each releases
+        for index, holders in enumerate(self._holders):  # on every rank alike, whatever each releases
+            if not in_forward or all(id(module) in self._ran for module, _ in holders):
+                self._candidates.add(index)
         if self._own_views is None or storage_use_count(self.full) != self._own_views:
             return 0  # another tensor views the storage: a saved view or an alias may read any leaf
         released = 0
-        for index, leaf in enumerate(self.leaves):
-            if index not in self._released and unread(leaf):
-                released += give_back(leaf)
+        for index in sorted(self._candidates - self._released):
+            leaf = self.leaves[index]
+            given = give_back(leaf) if unread(leaf) else 0
+            if given:
+                released += given
                 self._released.add(index)
+                for module, attr in self._holders[index]:
+                    module._parameters[attr] = Released(leaf)
         return released
 
-    def gather_again(self) -> None:
-        """A forward of this unit's modules during backward (recomputation), after :meth:`release_unread`:
-        gathers the parameters again, on every rank."""
-        if not self._gather_on_forward:
-            return
-        self._gather_on_forward = False
-        self._released.clear()
-        all_gather_shards(self.comm, self.full, self._gather_input(), async_op=False)
+    def holder_pre_forward(self, module: nn.Module) -> None:
+        """Before a forward of ``module``, which holds some of this unit's parameters: gathers the unit again
+        if one of them was considered for release (on every rank alike), then notes that it ran."""
+        if any(index in self._candidates for index in self._held_by.get(id(module), ())):
+            self._candidates.clear()
+            for index in self._released:
+                for holder, attr in self._holders[index]:
+                    holder._parameters[attr] = self.leaves[index]
+            self._released.clear()
+            all_gather_shards(self.comm, self.full, self._gather_input(), async_op=False)
+        self._ran.add(id(module))
 
     def wait_unshard(self) -> None:
         """UNSHARDING -> UNSHARDED."""
@@ -249,7 +268,7 @@ class FSDPParamGroup:
         self.wait_unshard()
         _free(self.full)
         self._released.clear()
-        self._gather_on_forward = False
+        self._candidates.clear()
         self.state = ShardState.SHARDED
         self.use_pieces()
 

@@ -3,10 +3,12 @@
 [Note: releasing gathered parameters early]
 A unit whose backward another unit interrupts stays unsharded until its own backward ends: the root unit
 (embeddings, final norm, head) from the forward to the last op of backward. At GPT-2 Medium that is 393 MiB
-per rank held through the whole backward, at the peak too (the embedding's backward, last), although the
-head's weight is not read after the head's backward (the first op) and the embedding's backward reads only
-the token ids. So when backward enters another unit, the interrupted unit gives the OS back the pages of
-every gathered parameter that nothing in the autograd graph can read any more:
+per rank held through the forward and the whole backward, although the embedding's weight is read by
+nothing after its forward (its backward reads only the token ids) and the head's by nothing after its
+backward (the first op). So when the forward or the backward enters another unit, the root (in backward,
+any interrupted unit) gives the OS back the pages of every gathered parameter that nothing can read any
+more; in the forward, only parameters whose modules have all run their forward in this forward. Nothing
+reads a parameter when:
 
 - no tensor other than the unit's own leaves views the unsharded storage (torch's storage use count: a
   saved view of a weight, such as the ``weight.t()`` a linear layer saves, or a ``detach()``ed alias, each
@@ -15,12 +17,14 @@ every gathered parameter that nothing in the autograd graph can read any more:
   count): a node that saved the leaf for backward (a layer norm's weight, ``(weight ** 2).sum()``) holds it.
 
 Where either count is unavailable (another torch) nothing is released. The pages are released with
-``madvise(MADV_DONTNEED)`` on the leaf's whole pages inside the buffer (Linux, CPU tensors; elsewhere a no-op):
-the mapping stays, the memory goes back to the OS at once, and a later read would see zeros. The unit's
-modules still hold the leaves, so a forward of one of them during backward (activation recomputation) would
-read those zeros: a forward pre-hook on every module holding a parameter of the unit gathers the unit again
-first, on every rank alike (recomputation runs on every rank). Reading a parameter outside a forward during
-backward (from a backward hook) is not supported, as with torch FSDP's resharded parameters.
+``madvise(MADV_DONTNEED)`` on the leaf's whole pages inside the buffer (Linux, CPU tensors; elsewhere
+nothing is released): the mapping stays and the memory goes back to the OS at once. The modules then hold a
+:class:`Released` placeholder (the parameter's shape, dtype and device; any computation with it raises), so a
+direct read (``F.linear(x, self.wte.weight)`` after the embedding ran, or from a backward hook) fails loudly
+instead of reading zeros. A forward of a module holding a parameter that was considered for release (its
+module run again in the same forward, activation recomputation in backward) gathers the unit again first, on
+every rank alike: whether a parameter is considered depends only on which modules ran, not on this rank's
+counts.
 
 """
 
@@ -30,10 +34,11 @@ import ctypes
 import mmap
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["give_back", "storage_use_count", "unread"]
+__all__ = ["Released", "give_back", "storage_use_count", "unread"]
 
 _MADV_DONTNEED = 4  # Linux
 _PAGE = mmap.PAGESIZE
@@ -75,3 +80,20 @@ def give_back(tensor: torch.Tensor) -> int:
     if last <= first or _MADVISE(first, last - first, _MADV_DONTNEED) != 0:
         return 0
     return last - first
+
+
+class Released(torch.Tensor):
+    """Stands in a module for a parameter whose gathered pages were released: its shape, dtype and device are
+    the parameter's, and any computation with it raises (instead of reading zeros)."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> Released:
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise RuntimeError(
+            f"hai_fsdp released this parameter's gathered copy ({func}): nothing in the autograd graph read it "
+            "any more. Use a parameter through its own module's forward, not directly (as model.wte.weight) "
+            "after that module ran in this forward, nor from a backward hook"
+        )

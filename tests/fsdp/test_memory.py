@@ -9,6 +9,7 @@ import ctypes
 import mmap
 import weakref
 
+import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -147,13 +148,18 @@ def _root_at_the_embeddings_backward(rank: int, world: int) -> dict:
     data = torch.randint(0, BIG_ROOT.vocab_size, (2, world, BIG_ROOT.block_size + 1))
     loss_of(model, local(data[0], rank, world)).backward()
     opt.step()
+    gathered: list[torch.Tensor] = []  # the gathered weights, as the two modules' forwards see them
+    for module in (model.module[0].wte, model.module[-1].lm_head):
+        module.register_forward_hook(lambda module, args, output: gathered.append(module.weight))
     loss = loss_of(model, local(data[1], rank, world))
-    embeddings, head = model.module[0], model.module[-1]
+    after_forward = _resident(gathered[0])  # the embedding's: released when the forward entered a block
+    with pytest.raises(RuntimeError, match="released"):  # and read through its module afterwards: loudly
+        model.module[0].wte.weight.sum()
     seen: list[int] = []
 
     def sample(node: torch.autograd.graph.Node) -> None:
         if node.name() == "EmbeddingBackward0" and not seen:
-            seen.append(_resident(embeddings.wte.weight) + _resident(head.lm_head.weight))
+            seen.append(sum(_resident(weight) for weight in gathered[-2:]))
 
     stack, nodes = [loss.grad_fn], set()
     while stack:
@@ -163,13 +169,16 @@ def _root_at_the_embeddings_backward(rank: int, world: int) -> dict:
             node.register_prehook(lambda grad_outputs, node=node: sample(node))
             stack.extend(next_node for next_node, _ in node.next_functions)
     loss.backward()
-    return {"resident": seen[0], "gathered": 2 * BIG_ROOT.vocab_size * BIG_ROOT.n_embd * 4}
+    embedding = BIG_ROOT.vocab_size * BIG_ROOT.n_embd * 4
+    return {"after_forward": after_forward, "resident": seen[0], "embedding": embedding, "gathered": 2 * embedding}
 
 
 def test_root_weights_released_before_the_embeddings_backward() -> None:
-    # Nothing reads the head's weight after its backward (the first op) nor the embedding's in backward at all:
-    # their pages go back to the OS when backward enters the last block (the old code held all 8 MiB).
+    # Nothing reads the embedding's weight after its forward (its backward reads the ids) nor the head's after
+    # its backward (the first op): their pages go back to the OS when the forward, then the backward, enter a
+    # block (the code before held all 8 MiB through backward).
     for r in run_distributed(_root_at_the_embeddings_backward, 2):
+        assert r["after_forward"] <= 0.01 * r["embedding"], f"{r['after_forward']} bytes resident after forward"
         assert r["resident"] <= 0.01 * r["gathered"], f"{r['resident']} of {r['gathered']} bytes resident"
 
 
@@ -190,9 +199,19 @@ class _CheckpointedRoot(torch.nn.Module):
         return self.head(self.blocks(x))
 
 
+class _ReusedEmbedding(_CheckpointedRoot):
+    """A root whose embedding runs again after the first block, once its weight was released in the forward:
+    the root gathers again first."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](self.wte(idx))
+        x = self.norm(x + self.wte(idx))
+        return self.head(self.blocks[1:](x))
+
+
 def _models() -> list[torch.nn.Module]:
     torch.manual_seed(0)
-    return [GPT(BIG_ROOT), _CheckpointedRoot()]
+    return [GPT(BIG_ROOT), _CheckpointedRoot(), _ReusedEmbedding()]
 
 
 def _sgd_steps(model: torch.nn.Module, data: torch.Tensor, rank: int | None, world: int) -> list[float]:
@@ -226,8 +245,9 @@ def _release_parity(rank: int, world: int) -> list[dict]:
 
 
 def test_released_weights_keep_parity_with_one_process() -> None:
-    """SGD against one process (relative 1e-5), with the root's weights released early, and with its embedding
-    and norm recomputed after the release (the root gathers again first)."""
+    """SGD against one process (relative 1e-5), with the root's weights released early, with its embedding and
+    norm recomputed in backward after the release, and with its embedding run again in the forward after the
+    release (the root gathers again first)."""
     world = 2
     results = run_distributed(_release_parity, world)
     data = _parity_data(world)
