@@ -1,10 +1,8 @@
 """``FullyShardedDataParallel``: ZeRO-3 sharding of a module over the hfreduce engine.
 
 [Note: schedule]
-Forward: a unit's pre-forward hook lets the root give back the pages of the gathered parameters whose
-modules have run and that nothing reads (release [Note: releasing gathered parameters early]), waits for (or
-starts) its all-gather, starts the next unit's all-gather (forward order recorded in the first forward), and
-installs the unsharded views; its
+Forward: a unit's pre-forward hook waits for (or starts) its all-gather, starts the next unit's
+all-gather (forward order recorded in the first forward), and installs the unsharded views; its
 post-forward hook reshards it (the root stays unsharded: its backward comes first) and registers a
 pre-backward hook on its outputs. Backward: the pre-backward hook unshards the unit again and, with
 ``BACKWARD_PRE``, starts the all-gather of the next unit in backward order (recorded in the first
@@ -220,10 +218,6 @@ class FullyShardedDataParallel(nn.Module):
     def _pre_forward(self, group: FSDPParamGroup) -> None:
         if self._forward_order is None and group not in self._recording:
             self._recording.append(group)
-        if group is self._root_group:
-            group.start_forward()
-        elif self._root_group is not None:
-            self._root_group.release_unread(in_forward=True)  # see release [Note: releasing gathered ...]
         group.unshard()
         group.wait_unshard()
         _prefetch_after(self._forward_order, group)

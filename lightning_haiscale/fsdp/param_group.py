@@ -124,7 +124,6 @@ class FSDPParamGroup:
         self._in_parts = False  # this backward reduces the unit parameter by parameter
         self._released: set[int] = set()  # leaves whose pages went back to the OS while unsharded
         self._candidates: set[int] = set()  # leaves considered for release (alike on every rank)
-        self._ran: set[int] = set()  # modules holding a parameter that ran their forward since the unit's
         self._held_by: dict[int, list[int]] = {}  # module -> the leaves it holds
         for index, holders in enumerate(self._holders):
             for module, _ in holders:
@@ -215,19 +214,13 @@ class FSDPParamGroup:
     def _gather_input(self) -> torch.Tensor:
         return self.flat_shard if self.param_dtype == self.dtype else self.flat_shard.to(self.param_dtype)
 
-    def start_forward(self) -> None:
-        """A forward of the unit begins: no module of it has run yet."""
-        self._ran.clear()
-
-    def release_unread(self, in_forward: bool = False) -> int:
-        """Forward or backward entered another unit while this one stays unsharded: gives the OS back the pages
-        of the gathered parameters that nothing reads any more (see release [Note: releasing gathered
-        parameters early]); in forward, only those whose modules have all run. Returns the bytes released."""
+    def release_unread(self) -> int:
+        """Backward entered another unit while this one stays unsharded: gives the OS back the pages of the
+        gathered parameters that nothing reads any more (see release [Note: releasing gathered parameters
+        early]). Returns the bytes released."""
         if self.state is not ShardState.UNSHARDED:
             return 0
-        for index, holders in enumerate(self._holders):  # on every rank alike, whatever each releases
-            if not in_forward or all(id(module) in self._ran for module, _ in holders):
-                self._candidates.add(index)
+        self._candidates.update(range(len(self.leaves)))  # on every rank alike, whatever each releases
         if self._own_views is None or storage_use_count(self.full) != self._own_views:
             return 0  # another tensor views the storage: a saved view or an alias may read any leaf
         released = 0
@@ -243,7 +236,7 @@ class FSDPParamGroup:
 
     def holder_pre_forward(self, module: nn.Module) -> None:
         """Before a forward of ``module``, which holds some of this unit's parameters: gathers the unit again
-        if one of them was considered for release (on every rank alike), then notes that it ran."""
+        if one of them was considered for release (on every rank alike)."""
         if any(index in self._candidates for index in self._held_by.get(id(module), ())):
             self._candidates.clear()
             for index in self._released:
@@ -251,7 +244,6 @@ class FSDPParamGroup:
                     holder._parameters[attr] = self.leaves[index]
             self._released.clear()
             all_gather_shards(self.comm, self.full, self._gather_input(), async_op=False)
-        self._ran.add(id(module))
 
     def wait_unshard(self) -> None:
         """UNSHARDING -> UNSHARDED."""

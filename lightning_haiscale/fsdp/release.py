@@ -3,12 +3,12 @@
 [Note: releasing gathered parameters early]
 A unit whose backward another unit interrupts stays unsharded until its own backward ends: the root unit
 (embeddings, final norm, head) from the forward to the last op of backward. At GPT-2 Medium that is 393 MiB
-per rank held through the forward and the whole backward, although the embedding's weight is read by
-nothing after its forward (its backward reads only the token ids) and the head's by nothing after its
-backward (the first op). So when the forward or the backward enters another unit, the root (in backward,
-any interrupted unit) gives the OS back the pages of every gathered parameter that nothing can read any
-more; in the forward, only parameters whose modules have all run their forward in this forward. Nothing
-reads a parameter when:
+per rank held through the whole backward, although the head's weight is read by nothing after the head's
+backward (the first op) and the embedding's backward reads only the token ids. So when the backward enters
+another unit, the interrupted unit gives the OS back the pages of every gathered parameter that nothing can
+read any more. (Not in the forward: a model may read a parameter directly after its module ran, as a head
+tied by ``F.linear(x, self.wte.weight)`` does, and nothing tells the wrapper it will not.) Nothing reads a
+parameter when:
 
 - no tensor other than the unit's own leaves views the unsharded storage (torch's storage use count: a
   saved view of a weight, such as the ``weight.t()`` a linear layer saves, or a ``detach()``ed alias, each
@@ -20,11 +20,10 @@ Where either count is unavailable (another torch) nothing is released. The pages
 ``madvise(MADV_DONTNEED)`` on the leaf's whole pages inside the buffer (Linux, CPU tensors; elsewhere
 nothing is released): the mapping stays and the memory goes back to the OS at once. The modules then hold a
 :class:`Released` placeholder (the parameter's shape, dtype and device; any computation with it raises), so a
-direct read (``F.linear(x, self.wte.weight)`` after the embedding ran, or from a backward hook) fails loudly
-instead of reading zeros. A forward of a module holding a parameter that was considered for release (its
-module run again in the same forward, activation recomputation in backward) gathers the unit again first, on
-every rank alike: whether a parameter is considered depends only on which modules ran, not on this rank's
-counts.
+direct read during backward (from a backward hook, or by a recomputed module that holds none of the unit's
+parameters) fails loudly instead of reading zeros. A forward of a module holding a parameter that was
+considered for release (activation recomputation in backward) gathers the unit again first, on every rank
+alike: whether a parameter is considered depends only on where backward is, not on this rank's counts.
 
 """
 
@@ -93,7 +92,7 @@ class Released(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         raise RuntimeError(
-            f"hai_fsdp released this parameter's gathered copy ({func}): nothing in the autograd graph read it "
-            "any more. Use a parameter through its own module's forward, not directly (as model.wte.weight) "
-            "after that module ran in this forward, nor from a backward hook"
+            f"hai_fsdp released this parameter's gathered copy during backward ({func}): nothing in the autograd "
+            "graph read it any more. Read a parameter during backward only through its own module's forward "
+            "(activation recomputation gathers it again), not directly from a backward hook or another module"
         )
