@@ -192,7 +192,7 @@ class FullyShardedDataParallel(nn.Module):
                 unit.register_forward_pre_hook(functools.partial(self._unit_pre_forward, group))
                 unit.register_forward_hook(functools.partial(self._unit_post_forward, group))
             for holder in group.holder_modules():  # see release [Note: releasing gathered parameters early]
-                holder.register_forward_pre_hook(lambda module, args, group=group: group.holder_pre_forward(module))
+                holder.register_forward_pre_hook(lambda module, args, group=group: group.holder_pre_forward())
 
     # ----------------------------------------------------------------------------- forward
 

@@ -50,9 +50,10 @@ from torch import nn
 from lightning_haiscale.fsdp.api import MixedPrecision
 from lightning_haiscale.fsdp.collectives import all_gather_shards, all_reduce_grad, gather_unit, reduce_scatter_grads
 from lightning_haiscale.fsdp.layout import ParamSlice, UnitLayout
-from lightning_haiscale.fsdp.release import Released, give_back, storage_use_count, unread
+from lightning_haiscale.fsdp.release import Released, give_back, unread
 from lightning_haiscale.fsdp.wrap import ParamRef
 from lightning_haiscale.hfreduce import Communicator, Work
+from lightning_haiscale.use_counts import storage_use_count
 
 __all__ = ["FSDPParamGroup", "GradShards", "ShardState"]
 
@@ -123,11 +124,7 @@ class FSDPParamGroup:
         self._reduced: torch.Tensor | None = None  # this backward's reduced shard, until finalize_grads
         self._in_parts = False  # this backward reduces the unit parameter by parameter
         self._released: set[int] = set()  # leaves whose pages went back to the OS while unsharded
-        self._candidates: set[int] = set()  # leaves considered for release (alike on every rank)
-        self._held_by: dict[int, list[int]] = {}  # module -> the leaves it holds
-        for index, holders in enumerate(self._holders):
-            for module, _ in holders:
-                self._held_by.setdefault(id(module), []).append(index)
+        self._gather_on_forward = False  # this backward considered releasing (alike on every rank)
         self.grad_space: Callable[[], torch.Tensor] = self.fresh_shard
         """Where a reduced shard goes (see [Note: one buffer for the reduced gradients])."""
         self.use_pieces()
@@ -220,12 +217,13 @@ class FSDPParamGroup:
         early]). Returns the bytes released."""
         if self.state is not ShardState.UNSHARDED:
             return 0
-        self._candidates.update(range(len(self.leaves)))  # on every rank alike, whatever each releases
+        self._gather_on_forward = True  # on every rank alike, whatever each releases
         if self._own_views is None or storage_use_count(self.full) != self._own_views:
             return 0  # another tensor views the storage: a saved view or an alias may read any leaf
         released = 0
-        for index in sorted(self._candidates - self._released):
-            leaf = self.leaves[index]
+        for index, leaf in enumerate(self.leaves):
+            if index in self._released:
+                continue
             given = give_back(leaf) if unread(leaf) else 0
             if given:
                 released += given
@@ -234,15 +232,13 @@ class FSDPParamGroup:
                     module._parameters[attr] = Released(leaf)
         return released
 
-    def holder_pre_forward(self, module: nn.Module) -> None:
-        """Before a forward of ``module``, which holds some of this unit's parameters: gathers the unit again
-        if one of them was considered for release (on every rank alike)."""
-        if any(index in self._candidates for index in self._held_by.get(id(module), ())):
-            self._candidates.clear()
-            for index in self._released:
-                for holder, attr in self._holders[index]:
-                    holder._parameters[attr] = self.leaves[index]
+    def holder_pre_forward(self) -> None:
+        """Before a forward of a module holding some of this unit's parameters (activation recomputation):
+        gathers the unit again if this backward considered releasing (on every rank alike)."""
+        if self._gather_on_forward:
+            self._gather_on_forward = False
             self._released.clear()
+            self.set_params(self.leaves)
             all_gather_shards(self.comm, self.full, self._gather_input(), async_op=False)
 
     def wait_unshard(self) -> None:
@@ -260,7 +256,7 @@ class FSDPParamGroup:
         self.wait_unshard()
         _free(self.full)
         self._released.clear()
-        self._candidates.clear()
+        self._gather_on_forward = False
         self.state = ShardState.SHARDED
         self.use_pieces()
 

@@ -37,7 +37,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Released", "give_back", "storage_use_count", "unread"]
+from lightning_haiscale.use_counts import tensor_use_count
+
+__all__ = ["Released", "give_back", "unread"]
 
 _MADV_DONTNEED = 4  # Linux
 _PAGE = mmap.PAGESIZE
@@ -56,16 +58,10 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 _MADVISE = _madvise()
 
 
-def storage_use_count(tensor: torch.Tensor) -> int | None:
-    """How many tensors share ``tensor``'s storage (``None`` where torch does not tell)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else int(count(tensor.untyped_storage()._cdata))
-
-
 def unread(leaf: torch.Tensor) -> bool:
     """True if no autograd node holds ``leaf`` (see [Note: releasing gathered parameters early])."""
-    use_count = getattr(leaf, "_use_count", None)
-    return use_count is not None and use_count() <= 1 + int(leaf.requires_grad)
+    count = tensor_use_count(leaf)
+    return count is not None and count <= 1 + int(leaf.requires_grad)
 
 
 def give_back(tensor: torch.Tensor) -> int:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_haiscale.use_counts import storage_use_count
+
 __all__ = [
     "HEADER_SLOTS",
     "BufferPool",
@@ -156,7 +158,7 @@ class BufferPool:
         kept = self._buffers.get(key)
         if kept is None or not _fits(kept[0], metas, device) or not _unheld(*kept):
             buffer = empty_buffer(metas, device)
-            kept = self._buffers[key] = (buffer, _use_count(buffer))
+            kept = self._buffers[key] = (buffer, storage_use_count(buffer))
         return kept[0].detach()
 
     def clear(self) -> None:
@@ -172,20 +174,11 @@ def _fits(buffer: torch.Tensor, metas: Sequence[TensorMeta], device: torch.devic
     return buffer.dtype == torch.uint8 and buffer.numel() == max(_offsets(metas)[1], 1)
 
 
-def _use_count(buffer: torch.Tensor) -> int | None:
-    """torch's count of the users of ``buffer``'s storage, or None where torch lacks it (it is private).
-
-    What the count includes besides tensors differs between versions (the storage object made to ask is
-    one more on torch 2.13, none on 2.6), so the pool compares it with the count it read when it made the
-    buffer, when nothing but the buffer held the storage."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if use_count is None else use_count(buffer.untyped_storage()._cdata)
-
-
 def _unheld(buffer: torch.Tensor, alone: int | None) -> bool:
-    """Whether nothing but the pool's ``buffer`` uses its storage, as when it was made (``alone``). Without
-    torch's count the answer is no: every message then gets a fresh buffer, correct at the allocation's cost."""
-    return alone is not None and _use_count(buffer) == alone
+    """Whether nothing but the pool's ``buffer`` uses its storage, as when it was made (``alone``: its count
+    then, see :mod:`lightning_haiscale.use_counts`). Without torch's count the answer is no: every message then
+    gets a fresh buffer, correct at the allocation's cost."""
+    return alone is not None and storage_use_count(buffer) == alone
 
 
 class _StagedWork:
