@@ -1,4 +1,5 @@
-"""``FullyShardedDataParallel``: ZeRO-3 sharding of a module over the hfreduce engine.
+"""``FullyShardedDataParallel``: ZeRO-3 sharding of a module over the hfreduce engine (ZeRO-2, replicated and
+hybrid sharding are the same machine with other groups, see sharding [Note: one machine for every strategy]).
 
 [Note: schedule]
 Forward: a unit's pre-forward hook waits for (or starts) its all-gather, starts the next unit's
@@ -72,7 +73,9 @@ __all__ = ["FullyShardedDataParallel"]
 
 
 class FullyShardedDataParallel(nn.Module):
-    """Shards ``module``'s parameters, gradients and optimizer state over the ranks of ``process_group``.
+    """Shards ``module``'s parameters, gradients and optimizer state over the ranks of ``process_group`` (or,
+    per ``sharding_strategy``, over each host or a mesh dimension, replicated across the others: see sharding
+    [Note: one machine for every strategy]).
 
     Build the optimizer after wrapping, from ``model.parameters()``: it sees only this rank's pieces.
 
