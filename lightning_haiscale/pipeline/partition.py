@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_haiscale.pipeline.ties import find_ties, refuse_ties
+
 __all__ = ["SequentialModel", "make_subgroups", "partition", "stage_layer_counts"]
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ def partition(
     items = list(module._modules.items())
     bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
     parts = [SequentialModel(OrderedDict(items[bounds[i] : bounds[i + 1]])) for i in range(len(counts))]
+    refuse_ties(find_ties(parts), world_size)
     chunks = parts[rank::world_size]
     return chunks[0] if num_model_chunks == 1 else chunks
 
