@@ -1,11 +1,12 @@
 """``HaiFSDPStrategy`` (Trainer and Fabric) takes what Lightning's ``FSDPStrategy`` takes: the signature, the calls
 Lightning's FSDP guides write (built unchanged with ``HaiFSDPStrategy`` in ``FSDPStrategy``'s place), and each
-keyword honoured or refused at construction with its reason. No processes: construction only.
+keyword honoured or refused at construction with its reason; one process fits what only a fit shows.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from functools import partial
 from typing import Any
 
@@ -16,6 +17,10 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from lightning.pytorch.strategies import FSDPStrategy as TrainerFSDPStrategy
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+)
 from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
 from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
@@ -25,6 +30,9 @@ import lightning_haiscale
 from lightning_haiscale import fabric
 from lightning_haiscale.fsdp import BackwardPrefetch, MixedPrecision
 from lightning_haiscale.strategies import HaiFSDPStrategy
+from lightning_haiscale.testing.parity import BATCH, Classifier, data
+from tests.distributed import run_distributed
+from tests.strategies.helpers import quiet_fit
 
 OURS = ("backward_prefetch", "reshard_after_forward", "param_init_fn")
 CLASSES = [
@@ -174,3 +182,39 @@ def test_trainer_and_fabric_classes_name_each_other() -> None:
     for strategy, right in [(fabric.HaiFSDPStrategy(), "HaiFSDPStrategy"), (fabric.HaiDDPStrategy(), "HaiDDPStrategy")]:
         with pytest.raises(ValueError, match=rf"invalid strategy.*the Trainer takes lightning_haiscale.{right}"):
             L.Trainer(accelerator="cpu", strategy=strategy)
+
+
+class _Checkpointed(Classifier):
+    """The pipeline tests' classifier with its layers checkpointed by hand."""
+
+    def configure_model(self) -> None:
+        apply_activation_checkpointing(self.net, check_fn=lambda m: isinstance(m, nn.Linear))
+
+
+def _fits(rank: int, world: int) -> None:
+    """What only a fit shows: the CPU's word on cpu_offload, torch's MixedPrecision over the Trainer's precision
+    (and under Fabric), checkpointing configured on a model already checkpointed by hand."""
+    rows = data(BATCH * world)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_fit(Classifier(), HaiFSDPStrategy(cpu_offload=True), 1, rows, BATCH)
+    said = [w for w in seen if "cpu_offload=True) has no effect on CPU" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in seen]
+
+    policy = TorchMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    trainer = quiet_fit(Classifier(), HaiFSDPStrategy(mixed_precision=policy), 1, rows, BATCH, precision="32-true")
+    wrapper = trainer.strategy.model
+    assert wrapper.mixed_precision == MixedPrecision(torch.bfloat16, torch.float32, cast_forward_inputs=True)
+    runner = Fabric(accelerator="cpu", devices=world, strategy=fabric.HaiFSDPStrategy(mixed_precision=policy))
+    runner.launch()
+    assert runner.strategy.setup_module(nn.Linear(4, 4)).mixed_precision.param_dtype == torch.bfloat16
+
+    module = _Checkpointed()
+    with pytest.warns(UserWarning, match="already has checkpointed modules"):
+        quiet_fit(module, HaiFSDPStrategy(activation_checkpointing_policy={nn.Linear}), 1, rows, BATCH)
+    wrappers = [m for m in module.modules() if isinstance(m, CheckpointWrapper)]  # once each, not twice
+    assert len(wrappers) == sum(isinstance(m, nn.Linear) for m in module.modules()) == 8
+
+
+def test_options_in_a_fit() -> None:
+    run_distributed(_fits, 1, timeout=180)
