@@ -37,6 +37,7 @@ __all__ = [
     "BATCH",
     "FLOAT64_ATOL",
     "FLOAT64_RTOL",
+    "FLOAT64_TOLERANCES",
     "LR",
     "NOISE_MULTIPLE",
     "STEPS",
@@ -53,6 +54,7 @@ __all__ = [
 BATCH, STEPS, LR = 8, 5, 0.1
 # float64: another summation order moves results by ~1e-12 here; any real difference is >= ~1e-8 (the Note).
 FLOAT64_RTOL, FLOAT64_ATOL = 1e-9, 1e-10
+FLOAT64_TOLERANCES = {"rtol": FLOAT64_RTOL, "atol": FLOAT64_ATOL}  # torch.testing.assert_close(a, b, **these)
 # float32: how many times the reference's own reordering noise a distributed run may differ by. The reference's
 # reorderings sample the noise; the distributed run sums in yet another order, hence a margin of 10.
 NOISE_MULTIPLE = 10.0
