@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
@@ -37,16 +36,16 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
-from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups, partition
+from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups
 from lightning_haiscale.strategies import pipeline_checkpoint as stage_files
 from lightning_haiscale.strategies.arguments import check_choice, check_int
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
-from lightning_haiscale.strategies.pipeline_step import PipelinedStep, StageProxy, capture_inputs
+from lightning_haiscale.strategies.pipeline_network import Network, find_network, first_batch_inputs, split_network
+from lightning_haiscale.strategies.pipeline_step import ForwardStandIn, PipelinedStep, StageProxy
 
 __all__ = ["GPipeStrategy", "Interleaved1F1BStrategy", "PipeDreamStrategy"]
 
@@ -64,8 +63,11 @@ class _PipelineStrategy(HaiParallelStrategy):
             ``example_inputs``) to balance measured layer time.
         num_model_chunks: model chunks per rank (interleaved schedules).
         checkpoint: activation checkpointing policy of GPipe (``"never"``, ``"always"``, ``"except_last"``).
-        module_name: the attribute holding the ``nn.Sequential`` (found when there is exactly one).
+        module_name: the attribute holding the network (found when there is exactly one ``nn.Sequential``, else
+            the attribute holding the largest block list).
         example_inputs: a batch's network inputs, for ``balance="time"``.
+        split_points: names of the blocks that begin each stage after the first, from the LightningModule
+            (``["model.transformer.h.6"]``): cuts any module at its blocks (see ``pipeline_network``).
         **kwargs: passed to :class:`HaiParallelStrategy`: ``timeout`` (for every collective and point-to-point
             transfer), ``process_group_backend``, and what the Trainer sets.
     """
@@ -83,9 +85,13 @@ class _PipelineStrategy(HaiParallelStrategy):
         checkpoint: str = "never",
         module_name: str | None = None,
         example_inputs: tuple[Any, ...] | None = None,
+        split_points: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if split_points is not None and (isinstance(split_points, str) or not all(map(_is_str, split_points))):
+            raise TypeError(f"split_points={split_points!r} must be a list of block names, e.g. ['model.h.6']")
+        self.split_points = list(split_points) if split_points is not None else None
         self._check_arguments(chunks, pp_size, balance, num_model_chunks, checkpoint, module_name, example_inputs)
         self.chunks, self.pp_size, self.balance = chunks, pp_size, balance
         self.num_model_chunks, self.checkpoint, self.module_name = num_model_chunks, checkpoint, module_name
@@ -96,6 +102,7 @@ class _PipelineStrategy(HaiParallelStrategy):
         self._pipeline: Pipeline | None = None
         self._step: PipelinedStep | None = None
         self._saved_layers: list[str] | None = None
+        self._network: Network | None = None
         self._forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
     def _check_arguments(
@@ -149,6 +156,11 @@ class _PipelineStrategy(HaiParallelStrategy):
         return {"num_replicas": self.world_size // self.stages_per_pipeline, "rank": self.dp_rank}
 
     @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """This rank's pipeline's process group (after ``setup_environment``)."""
+        return self._pp_group
+
+    @property
     def pipeline(self) -> Pipeline | None:
         """The plain-layer pipeline this rank runs (after ``setup``)."""
         return self._pipeline
@@ -192,7 +204,7 @@ class _PipelineStrategy(HaiParallelStrategy):
         self._pipeline = self._build_pipeline(self._wrap_stages(fitting))
         self._pipeline.forward_context = self.forward_context
         module, group, device = self.lightning_module, self._pp_group, self.root_device
-        self._step = PipelinedStep(module, self.module_name, self._pipeline, group, device)
+        self._step = PipelinedStep(module, self.module_name, self._network.proxy, self._pipeline, group, device)
         if fitting:
             self._step.take_over_zero_grad()
             self.setup_optimizers(trainer)
@@ -201,62 +213,25 @@ class _PipelineStrategy(HaiParallelStrategy):
             self._optimizer_states_to_device()
 
     def _install_proxy(self) -> None:
-        """Replaces the module's network by a ``StageProxy`` of this rank's layers (once per module)."""
+        """Cuts the module's network into this rank's stages (once per module); see ``pipeline_network``."""
         module = self.lightning_module
-        name = self.module_name or _find_network(module)
-        network = getattr(module, name)
-        if isinstance(network, StageProxy):
-            if not self._stages:
-                raise RuntimeError(
-                    f"{type(module).__name__}.{name} was partitioned by another pipeline strategy; load the full "
-                    "checkpoint into a fresh module to train it with a new one"
-                )
+        if self._network is not None:
             return
-        if not isinstance(network, nn.Sequential):
-            raise TypeError(f"{type(module).__name__}.{name} must be an nn.Sequential, got {type(network).__name__}")
+        name = find_network(module, self.module_name, self.split_points)
+        network = getattr(module, name)
+        if isinstance(network, StageProxy) or isinstance(network.__dict__.get("forward"), ForwardStandIn):
+            raise RuntimeError(
+                f"{type(module).__name__}.{name} was partitioned by another pipeline strategy; load the full "
+                "checkpoint into a fresh module to train it with a new one"
+            )
         example_inputs = self._example_inputs
-        if self.balance == "time" and example_inputs is None:
-            example_inputs = self._first_batch_inputs(name, network)
+        if self.balance == "time" and example_inputs is None and isinstance(network, nn.Sequential):
+            example_inputs = first_batch_inputs(self, name, network)
         if self.balance == "time":  # profile on the device the stages will run on (see partition's note)
             example_inputs = move_data_to_device(example_inputs, self.root_device)
-        parts = partition(
-            network,
-            self.pp_rank,
-            self.stages_per_pipeline,
-            self.balance,
-            self.num_model_chunks,
-            example_inputs=example_inputs,
-            process_group=self._pp_group,
-        )
-        self._stages = parts if isinstance(parts, list) else [parts]
-        layers = OrderedDict(item for stage in self._stages for item in stage._modules.items())
-        setattr(module, name, StageProxy(layers))
+        self._network = split_network(self, name, self.split_points, example_inputs)
+        self._stages = self._network.stages
         self.module_name = name
-
-    def _first_batch_inputs(self, name: str, network: nn.Sequential) -> tuple[Any, ...]:
-        """``balance="time"`` without ``example_inputs``: the network's inputs for the first training batch,
-        found by running ``training_step`` up to the network call (as every step is captured)."""
-        module = self.lightning_module
-        trainer = module.trainer
-        if trainer.state.fn != TrainerFn.FITTING:
-            raise ValueError(
-                f"balance='time' profiles the layers on the first training batch; to {trainer.state.fn} a module "
-                "never partitioned by this strategy, pass example_inputs=(a batch's network inputs,)"
-            )
-        trainer.fit_loop.setup_data()  # the loop reuses it: the dataloader is requested once
-        if trainer.train_dataloader is None:
-            raise ValueError("balance='time' needs example_inputs=(a batch's network inputs,) or a training dataloader")
-        loader = iter(CombinedLoader(trainer.train_dataloader, "max_size_cycle"))
-        batch = next(loader)[0]
-        proxy = StageProxy(OrderedDict(network._modules.items()))
-        setattr(module, name, proxy)
-        try:
-            inputs = capture_inputs(module, proxy, module.training_step, (batch, 0), {})
-        finally:
-            setattr(module, name, network)
-        if inputs is not None:
-            return inputs
-        raise RuntimeError(f"training_step never called the network {name!r}, so balance='time' has nothing to time")
 
     def _wrap_stages(self, fitting: bool) -> list[nn.Module]:
         if not fitting or self.world_size == self.stages_per_pipeline:
@@ -435,14 +410,8 @@ def _check_balance(balance: Any, parts: int | None) -> None:
         raise ValueError(f"balance={list(balance)} must have pp_size x num_model_chunks = {parts} layer counts")
 
 
-def _find_network(module: nn.Module) -> str:
-    names = [n for n, child in module.named_children() if isinstance(child, nn.Sequential)]
-    if len(names) != 1:
-        raise ValueError(
-            f"{type(module).__name__} has {len(names)} nn.Sequential attributes ({names}); pipeline strategies need "
-            "exactly one, or module_name= naming the network"
-        )
-    return names[0]
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
 
 
 for _strategy in (GPipeStrategy, PipeDreamStrategy, Interleaved1F1BStrategy):
