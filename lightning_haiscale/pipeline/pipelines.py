@@ -196,7 +196,7 @@ class Pipeline(nn.Module):
         labels: Sequence[Any] = (),
         return_outputs: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
-        **kwargs: Any,
+        kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[torch.Tensor | None, Any]:
         """Forward and backward of one batch, split along dim 0 into ``chunks`` microbatches (haiscale's API).
 
@@ -217,13 +217,14 @@ class Pipeline(nn.Module):
                 "gradients enabled, or use model(*inputs) for pipelined evaluation"
             )
         _check_labels(inputs, labels)
-        calls = self._calls(inputs, kwargs, even=True)
+        calls = self._calls(inputs, dict(kwargs or {}), even=True)
         batches = split_microbatches(inputs, self.chunks) if inputs and calls is None else None
         batches = [()] * self.chunks if calls is not None else batches
         label_batches = split_microbatches(tuple(labels), self.chunks)
 
         def loss_fn(m: int, out: Any) -> torch.Tensor:
-            return criterion(*(out if isinstance(out, tuple) else (out,)), *label_batches[m])
+            outs = out if isinstance(out, tuple) and calls is None else (out,)  # a module's output is one value
+            return criterion(*outs, *label_batches[m])
 
         result = self.run_microbatches(
             batches, loss_fn, loss_scale=1.0, keep_outputs=return_outputs, grad_scaler=grad_scaler, calls=calls
@@ -263,20 +264,35 @@ class Pipeline(nn.Module):
             self.tied.reduce_gradients_()
         return result
 
-    def forward(self, *inputs: Any, microbatches: int | None = None, **kwargs: Any) -> Any:
+    def forward(self, *inputs: Any, microbatches: int | None = None, kwargs: Mapping[str, Any] | None = None) -> Any:
         """Pipelined evaluation (no gradients): the output joined along dim 0 on the last stage, else ``None``.
 
         The batch is split into ``chunks`` microbatches (sizes may differ by one), or ``microbatches``. A split
-        module's outputs that are not tensors come as a list, one per microbatch.
+        module's keywords come as ``kwargs``; its outputs that are not tensors come as a list, one per microbatch.
         """
         n = microbatches or self.chunks
-        calls = self._calls(inputs, kwargs, even=False, n=n)
+        calls = self._calls(inputs, dict(kwargs or {}), even=False, n=n)
         batches = [()] * n if calls is not None else split_microbatches(inputs, n, even=False) if inputs else None
         config = self._config(n, training=False, loss_fn=None, loss_scale=1.0, keep=True, uneven=True)
         config.calls = calls
         with torch.no_grad():
             result = self._run(n, True, batches, config)
         return _join(result.outputs, n) if self.is_last_stage else None
+
+    @property
+    def min_microbatches(self) -> int:
+        """The fewest microbatches a step of this schedule takes (Interleaved1F1B: one per rank)."""
+        return self.num_ranks if len(self.stages) > 1 else 1
+
+    def run_forward(self, calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        """Pipelined evaluation of a split module's already-split ``calls`` (every rank): the last stage's output
+        of each microbatch, else an empty list."""
+        n = len(calls)
+        config = self._config(n, training=False, loss_fn=None, loss_scale=1.0, keep=True, uneven=True)
+        config.calls = calls
+        with torch.no_grad():
+            result = self._run(n, True, [()] * n, config)
+        return [result.outputs[m] for m in range(n)] if self.is_last_stage else []
 
     @property
     def runs_whole_module(self) -> bool:

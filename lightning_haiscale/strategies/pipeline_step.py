@@ -292,13 +292,15 @@ class PipelinedStep:
         return (split_batch(batch, chunks, even=False) if needed else None), weights
 
     def evaluate(self, step: Callable[..., Any], args: tuple, kwargs: dict, publish: bool = True) -> Any:
-        """A pipelined validation, test or predict step; the step's result on the last stage, else ``None``."""
-        inputs, calls = self._network_calls(step, [(args, kwargs)])
-        if calls is not None:
-            output = self.pipeline(*calls[0][0], microbatches=1, **calls[0][1])
-            output = output[0] if isinstance(output, list) else output
-        else:
-            output = self.pipeline(*inputs[0]) if inputs is not None else self.pipeline()
+        """A pipelined validation, test or predict step; the step's result on the last stage, else ``None``.
+
+        A split module's step is replayed once per microbatch (as few as the schedule allows: one, or one per
+        rank for Interleaved1F1B), its logs averaged by rows; with several, the results come as a list.
+        """
+        if self.pipeline.runs_whole_module:
+            return self._evaluate_calls(step, args, kwargs, publish)
+        inputs, _ = self._network_calls(step, [(args, kwargs)])
+        output = self.pipeline(*inputs[0]) if inputs is not None else self.pipeline()
         recorder, result = LogRecorder(), None
         if self.pipeline.is_last_stage:
             with self.proxy.replaying(output), recorder.recording(self.module, 0):
@@ -306,6 +308,22 @@ class PipelinedStep:
         if publish:
             self.publish(recorder, None)
         return result
+
+    def _evaluate_calls(self, step: Callable[..., Any], args: tuple, kwargs: dict, publish: bool) -> Any:
+        n = self.pipeline.min_microbatches
+        batches = split_batch(args[0], n, even=False)
+        rows = batch_rows(args[0])
+        weights = None if rows is None else microbatch_sizes(rows, n)
+        _, calls = self._network_calls(step, [((b, *args[1:]), kwargs) for b in batches])
+        outputs = self.pipeline.run_forward(calls)
+        recorder, results = LogRecorder(weights), []
+        if self.pipeline.is_last_stage:
+            for m, batch in enumerate(batches):
+                with self.proxy.replaying(outputs[m]), recorder.recording(self.module, m):
+                    results.append(step(batch, *args[1:], **kwargs))
+        if publish:
+            self.publish(recorder, None)
+        return (results[0] if n == 1 else results) if results else None
 
     def _network_calls(
         self, step: Callable[..., Any], steps: Sequence[tuple[tuple, dict]]

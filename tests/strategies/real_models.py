@@ -101,6 +101,9 @@ class LitLM(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(self.model, batch[0]))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
 
@@ -120,9 +123,10 @@ def build(make: Callable[[], nn.Module]) -> nn.Module:
     return make().double()
 
 
-def one_process(make: Callable[[], nn.Module], loss: Callable, dp: int = 1) -> dict[str, torch.Tensor]:
+def one_process(make: Callable[[], nn.Module], loss: Callable, dp: int = 1) -> tuple[dict[str, torch.Tensor], float]:
     """The reference: ``dp`` replicas' batches of a step are one batch of ``dp * BATCH`` rows here (each row
-    has as many tokens, so the mean of the replicas' mean losses is this batch's mean loss)."""
+    has as many tokens, so the mean of the replicas' mean losses is this batch's mean loss). Returns the state
+    and the loss on the first validation batch after training."""
     model = build(make)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     rows = BATCH * dp
@@ -130,7 +134,9 @@ def one_process(make: Callable[[], nn.Module], loss: Callable, dp: int = 1) -> d
         optimizer.zero_grad()
         loss(model, tokens(dp)[step * rows : (step + 1) * rows]).backward()
         optimizer.step()
-    return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.val_loss = float(loss(model, tokens()[:BATCH]))  # the first validation batch, after training
+    return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}, model.val_loss
 
 
 def fit(make: Callable[[], nn.Module], loss: Callable, strategy: Any, dp: int = 1, dp_rank: int = 0) -> L.Trainer:
@@ -138,11 +144,12 @@ def fit(make: Callable[[], nn.Module], loss: Callable, strategy: Any, dp: int = 
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=torch.distributed.get_world_size(), max_steps=STEPS,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False,
+        use_distributed_sampler=False, limit_val_batches=1, num_sanity_val_steps=0,
     )  # fmt: skip
     data = TensorDataset(tokens(dp))
     sampler = DistributedSampler(data, num_replicas=dp, rank=dp_rank, shuffle=False)
-    trainer.fit(LitLM(build(make), loss), DataLoader(data, batch_size=BATCH, sampler=sampler))
+    val = DataLoader(TensorDataset(tokens()[:BATCH]), batch_size=BATCH)
+    trainer.fit(LitLM(build(make), loss), DataLoader(data, batch_size=BATCH, sampler=sampler), val)
     return trainer
 
 
