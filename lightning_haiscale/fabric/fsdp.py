@@ -76,6 +76,12 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
         sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
         state_dict_type: Literal["full", "sharded"] = "full",
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        *,
+        limit_all_gathers: bool | None = None,
+        forward_prefetch: bool | None = None,
+        use_orig_params: bool | None = None,
+        sync_module_states: bool | None = None,
+        ignored_modules: list[nn.Module] | None = None,
         **kwargs: Any,
     ) -> None:
         options = hai_fsdp_options(
@@ -89,7 +95,14 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
             activation_checkpointing_policy=activation_checkpointing_policy,
             sharding_strategy=sharding_strategy,
             device_mesh=device_mesh,
-            kwargs=kwargs,
+            kwargs={
+                **kwargs,
+                "limit_all_gathers": limit_all_gathers,
+                "forward_prefetch": forward_prefetch,
+                "use_orig_params": use_orig_params,
+                "sync_module_states": sync_module_states,
+                "ignored_modules": ignored_modules,
+            },
         )
         super().__init__(
             accelerator=accelerator,

@@ -8,12 +8,15 @@ before any step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Tie", "find_ties", "refuse_ties"]
+__all__ = ["Tie", "TiedParameters", "find_ties"]
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,65 @@ def find_ties(stages: Sequence[nn.Module], prefix: str = "") -> list[Tie]:
     ]
 
 
-def refuse_ties(ties: Sequence[Tie], ranks: int) -> None:
-    """Raises when a parameter is held by stages on different ranks: each would train its own copy."""
-    split = [t for t in ties if len({s % ranks for s in t.stages}) > 1]
-    if split:
-        raise ValueError(
-            f"{len(split)} parameter(s) are shared by pipeline stages on different ranks: "
-            + "; ".join(t.describe() for t in split)
-            + ". Each stage would update its own copy and the copies would drift apart silently. Untie them "
-            "(e.g. tie_weights=False), or keep every user of the parameter in one stage (balance= or split_points=)"
-        )
+class TiedParameters:
+    """Keeps each tied parameter's copies equal on the stages that hold them (DeepSpeed's ``TiedLayerSpec``,
+    Megatron's embedding group): the first holder broadcasts it at the start, and every step sums its
+    gradients over a process group of the holders' ranks (one group per data-parallel pipeline).
+
+    Args:
+        ties: every tie of the pipeline (the same list on every rank).
+        local: this rank's copy of each tie it holds.
+        group: the pipeline's process group (stage ``s`` on its rank ``s % size``); ``None``: the world.
+
+    Collective over the world when a tie spans two ranks: every rank of every pipeline builds its pipeline.
+    """
+
+    def __init__(
+        self, ties: Sequence[Tie], local: Mapping[Tie, nn.Parameter], group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.ties = list(ties)
+        self.local = dict(local)
+        self.groups: dict[Tie, tuple[dist.ProcessGroup, int]] = {}
+        self._duplicates: set[int] = set()
+        initialized = dist.is_available() and dist.is_initialized()
+        ranks = dist.get_world_size(group) if initialized else 1
+        spanning = [t for t in self.ties if len({s % ranks for s in t.stages}) > 1]
+        if not spanning:
+            return
+        me = dist.get_rank(group)
+        pipelines: list[Any] = [None] * dist.get_world_size()
+        signature = [(t.stages, t.names) for t in self.ties]
+        dist.all_gather_object(pipelines, (dist.get_process_group_ranks(group), signature))
+        if any(sig != signature for _, sig in pipelines):
+            raise ValueError(
+                "the ranks disagree on the tied parameters of the pipeline (each rank must build the same model): "
+                + "; ".join(f"rank {r}: {sig}" for r, (_, sig) in enumerate(pipelines))
+            )
+        mine = dist.get_process_group_ranks(group)
+        for pipeline in sorted({tuple(p) for p, _ in pipelines}):
+            for tie in spanning:
+                holders = sorted({s % ranks for s in tie.stages})
+                new = dist.new_group([pipeline[h] for h in holders])
+                if list(pipeline) == mine and me in holders:
+                    self.groups[tie] = (new, pipeline[tie.stages[0] % ranks])
+                    if me != tie.stages[0] % ranks:
+                        self._duplicates.add(id(self.local[tie]))
+
+    def is_duplicate(self, param: nn.Parameter) -> bool:
+        """True for this rank's copy of a tied parameter that a stage on another rank counts."""
+        return id(param) in self._duplicates
+
+    @torch.no_grad()
+    def broadcast_(self) -> None:
+        """Every copy takes the first holder's value."""
+        for tie, (group, src) in self.groups.items():
+            dist.broadcast(self.local[tie].data, src=src, group=group)
+
+    @torch.no_grad()
+    def reduce_gradients_(self) -> None:
+        """Every copy's gradient becomes the sum of the copies' gradients (each stage's use of it)."""
+        for tie, (group, _) in self.groups.items():
+            param = self.local[tie]
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)

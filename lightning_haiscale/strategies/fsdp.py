@@ -78,8 +78,10 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"`` (or torch's enum).
         state_dict_type: ``"full"`` (one file, rank 0) or ``"sharded"`` (a ``torch.distributed.checkpoint`` folder).
         device_mesh: refused until hybrid sharding lands.
-        **kwargs: torch FSDP's ``limit_all_gathers``, ``forward_prefetch``, ``use_orig_params``,
-            ``sync_module_states``, ``ignored_modules``; any other name raises.
+        limit_all_gathers, forward_prefetch, use_orig_params, sync_module_states, ignored_modules: torch FSDP's,
+            passed to the wrapper (``None``: its default). Lightning takes them in ``**kwargs``; named here,
+            LightningCLI shows and parses them.
+        **kwargs: any other name raises, saying why.
     """
 
     strategy_name = "hai_fsdp"
@@ -104,6 +106,12 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
         state_dict_type: Literal["full", "sharded"] = "full",
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        *,
+        limit_all_gathers: bool | None = None,
+        forward_prefetch: bool | None = None,
+        use_orig_params: bool | None = None,
+        sync_module_states: bool | None = None,
+        ignored_modules: list[nn.Module] | None = None,
         **kwargs: Any,
     ) -> None:
         check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
@@ -118,7 +126,14 @@ class HaiFSDPStrategy(HaiParallelStrategy):
             activation_checkpointing_policy=activation_checkpointing_policy,
             sharding_strategy=sharding_strategy,
             device_mesh=device_mesh,
-            kwargs=kwargs,
+            kwargs={
+                **kwargs,
+                "limit_all_gathers": limit_all_gathers,
+                "forward_prefetch": forward_prefetch,
+                "use_orig_params": use_orig_params,
+                "sync_module_states": sync_module_states,
+                "ignored_modules": ignored_modules,
+            },
         )
         super().__init__(
             timeout=timeout or default_pg_timeout,

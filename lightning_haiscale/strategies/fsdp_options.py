@@ -98,7 +98,7 @@ def hai_fsdp_options(
     kwargs: dict[str, Any] | None = None,
 ) -> HaiFSDPOptions:
     """Checks every keyword of a ``HaiFSDPStrategy`` (see [Note: what each FSDPStrategy keyword becomes])."""
-    kwargs = dict(kwargs or {})
+    kwargs = {k: v for k, v in (kwargs or {}).items() if not (k in _PASSED and v is None)}  # the wrapper's default
     backward_prefetch = kwargs.pop("backward_prefetch", backward_prefetch)  # Lightning passes it in **kwargs
     param_init_fn = kwargs.pop("param_init_fn", param_init_fn)
     check_policy(auto_wrap_policy)

@@ -6,6 +6,7 @@ keyword honoured or refused at construction with its reason; one process fits wh
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 from functools import partial
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy as TrainerFSDPStrategy
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -33,8 +35,10 @@ from lightning_haiscale.strategies import HaiFSDPStrategy
 from lightning_haiscale.testing.parity import BATCH, Classifier, data
 from tests.distributed import run_distributed
 from tests.strategies.helpers import quiet_fit
+from tests.strategies.test_cli import _Data, _Model
 
 OURS = ("backward_prefetch", "reshard_after_forward", "param_init_fn")
+HONOURED = ("limit_all_gathers", "forward_prefetch", "use_orig_params", "sync_module_states", "ignored_modules")
 CLASSES = [
     (HaiFSDPStrategy, TrainerFSDPStrategy, OURS),
     (fabric.HaiFSDPStrategy, FabricFSDPStrategy, (*OURS, "checkpoint_io")),  # as Fabric's DDPStrategy
@@ -44,11 +48,15 @@ BOTH = pytest.mark.parametrize("cls", [HaiFSDPStrategy, fabric.HaiFSDPStrategy],
 
 @pytest.mark.parametrize(("ours", "lightnings", "own"), CLASSES, ids=["trainer", "fabric"])
 def test_signature_is_lightnings_after_our_own(ours: type, lightnings: type, own: tuple[str, ...]) -> None:
-    """Every parameter of Lightning 2.6's ``FSDPStrategy.__init__``, in its order and kind, after ours."""
+    """Every parameter of Lightning 2.6's ``FSDPStrategy.__init__``, in its order and kind, after ours; torch FSDP's
+    keywords we honour are named (keyword-only, before ``**kwargs``), so that LightningCLI shows them."""
     theirs = list(inspect.signature(lightnings.__init__).parameters.values())[1:]
     mine = list(inspect.signature(ours.__init__).parameters.values())[1:]
     assert [p.name for p in mine[: len(own)]] == list(own)
-    assert [(p.name, p.kind) for p in mine[len(own) :]] == [(p.name, p.kind) for p in theirs]
+    named = [p for p in mine if p.kind is inspect.Parameter.KEYWORD_ONLY]  # torch's **kwargs we honour, by name
+    assert [p.name for p in named] == list(HONOURED) and all(p.default is None for p in named)
+    rest = [(p.name, p.kind) for p in mine[len(own) :] if p not in named]
+    assert rest == [(p.name, p.kind) for p in theirs]
     for p in theirs:  # the same defaults, but the Fabric checkpoint format (see the class docstring)
         if p.name != "state_dict_type":
             assert mine[[q.name for q in mine].index(p.name)].default == p.default, p.name
@@ -218,3 +226,16 @@ def _fits(rank: int, world: int) -> None:
 
 def test_options_in_a_fit() -> None:
     run_distributed(_fits, 1, timeout=180)
+
+
+def test_lightning_cli_parses_the_keywords(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the command line, as a user moving from ``--trainer.strategy=FSDPStrategy`` writes them."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    args = ["--trainer.accelerator=cpu", "--trainer.logger=false"]
+    args += ["--trainer.strategy=lightning_haiscale.HaiFSDPStrategy"]
+    given = ("sharding_strategy=SHARD_GRAD_OP", "cpu_offload=true", "limit_all_gathers=false")
+    args += [f"--trainer.strategy.{k}" for k in (*given, "activation_checkpointing_policy=[torch.nn.Linear]")]
+    strategy = LightningCLI(_Model, _Data, args=args, run=False, save_config_callback=None).trainer.strategy
+    options = strategy._fsdp_options
+    assert strategy.sharding_strategy == "SHARD_GRAD_OP" and options.cpu_offload
+    assert list(options.activation_checkpointing) == [nn.Linear] and options.wrapper["limit_all_gathers"] is False
