@@ -92,9 +92,11 @@ def logits_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class LitLM(L.LightningModule):
     """The user's module: its step calls the model as the model's documentation says."""
 
-    def __init__(self, model: nn.Module, loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self, model: nn.Module, loss: Callable[[nn.Module, torch.Tensor], torch.Tensor], momentum: float = 0.0
+    ) -> None:
         super().__init__()
-        self.model, self.loss = model, loss
+        self.model, self.loss, self.momentum = model, loss, momentum
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.loss(self.model, batch[0])
@@ -105,7 +107,7 @@ class LitLM(L.LightningModule):
         self.log("val_loss", self.loss(self.model, batch[0]))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
 
 
 def tokens(dp: int = 1) -> torch.Tensor:
