@@ -186,8 +186,11 @@ class Pipeline(nn.Module):
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, as haiscale's scripts call it, clips
         each stage by its own stage's norm instead (no communication), as it did under haiscale.
         """
-        counted = [p for p in self.parameters() if not self.tied.is_duplicate(p)]  # a tied parameter counts once
-        return clip_grad_norm_(counted, max_norm, norm_type, self.process_group)
+        params = list(self.parameters())
+        counted = [p for p in params if not self.tied.is_duplicate(p)]  # a tied parameter counts once
+        total = clip_grad_norm_(counted, max_norm, norm_type, self.process_group)
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if self.tied.is_duplicate(p)], max_norm, total)
+        return total
 
     def forward_backward(
         self,

@@ -101,6 +101,7 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
         self._pipeline: Pipeline | None = None
         self._step: PipelinedStep | None = None
         self._saved_layers: list[str] | None = None
+        self._stage_files: tuple[list[str], bool | None] = ([], None)
         self._network: Network | None = None
         self._forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
 

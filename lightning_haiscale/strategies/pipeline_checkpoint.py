@@ -4,22 +4,34 @@
 unpartitioned module's names (it loads into the plain module with ``load_state_dict``, and into a pipeline of
 any number of stages), without optimizer states, and with ``"pipeline": {"stages", "num_model_chunks"}``.
 Each stage of the first data-parallel pipeline writes ``<file>.stage<k>``: the sorted names of its layers'
-state (``"layers"``), its weights and its optimizer states. A resume restores a stage's optimizer states only
-when its stage file holds exactly the layers this rank now holds; another layout starts them fresh.
+state (``"layers"``), its weights, its optimizer states and the names of the parameters they are for
+(``"param_names"``: per optimizer, per parameter group). A resume with the same layout restores a stage's
+optimizer states from its own stage file; at another layout (another number of stages, another cut) every
+rank reads every stage file and takes the states of the parameters it now holds, by name, so a resume at
+another pipeline size continues as the saved run would have.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
-__all__ = ["PipelineCheckpoints", "full_checkpoint", "load_stage_file", "stage_checkpoint", "stage_path", "stage_slice"]
+__all__ = [
+    "PipelineCheckpoints",
+    "full_checkpoint",
+    "load_stage_file",
+    "optimizer_param_names",
+    "stage_checkpoint",
+    "stage_path",
+    "stage_slice",
+    "states_by_name",
+]
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +48,48 @@ def full_checkpoint(checkpoint: Mapping[str, Any], stages: int, num_model_chunks
     return full
 
 
-def stage_checkpoint(stage_state: Mapping[str, Any], module_name: str, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-    """What a stage writes: its layers' names, its weights (under the module's names), its optimizer states."""
+def stage_checkpoint(
+    stage_state: Mapping[str, Any], module_name: str, checkpoint: Mapping[str, Any], param_names: list[Any]
+) -> dict[str, Any]:
+    """What a stage writes: its layers' names, its weights (under the module's names), its optimizer states and
+    the names of their parameters."""
     return {
         "layers": sorted(stage_state),
         "state_dict": {f"{module_name}.{k}": v for k, v in stage_state.items()},
         "optimizer_states": checkpoint.get("optimizer_states", []),
+        "param_names": param_names,
     }
+
+
+def optimizer_param_names(module: Any, optimizers: Sequence[Any]) -> list[list[list[str]]]:
+    """Per optimizer, per parameter group, the module's names of its parameters (in the group's order)."""
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    return [[[names[id(p)] for p in group["params"]] for group in opt.param_groups] for opt in optimizers]
+
+
+def states_by_name(saved: Sequence[Mapping[str, Any]], wanted: list[list[list[str]]]) -> list[dict[str, Any]] | None:
+    """Optimizer state dicts for the parameters named in ``wanted``, merged from every stage file in ``saved``;
+    ``None`` when a file has no names (written before they were) or the parameter groups do not line up."""
+    merged = []
+    for o, groups in enumerate(wanted):
+        by_name: dict[str, Any] = {}
+        hyper: list[dict[str, Any]] | None = None
+        for stage in saved:
+            if "param_names" not in stage or len(stage["optimizer_states"]) <= o:
+                return None
+            state = stage["optimizer_states"][o]
+            if len(state["param_groups"]) != len(groups):
+                return None
+            hyper = hyper or [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+            for group, names in zip(state["param_groups"], stage["param_names"][o], strict=True):
+                pairs = zip(group["params"], names, strict=True)
+                by_name.update({n: state["state"][i] for i, n in pairs if i in state["state"]})
+        ids = iter(range(sum(len(g) for g in groups)))
+        param_groups = [{**hyper[g], "params": [next(ids) for _ in names]} for g, names in enumerate(groups)]
+        flat = [n for names in groups for n in names]
+        states = {i: by_name[n] for i, n in enumerate(flat) if n in by_name}
+        merged.append({"state": states, "param_groups": param_groups})
+    return merged
 
 
 def load_stage_file(
@@ -84,7 +131,8 @@ class PipelineCheckpoints:
         """See [Note: stage files] in ``pipeline_checkpoint``."""
         if self.dp_rank == 0:
             stage_file = stage_path(filepath, self.pp_rank)  # checkpoint_io creates the folder
-            stage = stage_checkpoint(self._proxy.state_dict(), self.module_name, checkpoint)
+            names = optimizer_param_names(self.lightning_module, self.optimizers)
+            stage = stage_checkpoint(self._proxy.state_dict(), self.module_name, checkpoint, names)
             self.checkpoint_io.save_checkpoint(stage, stage_file, storage_options)
         if self.is_global_zero:
             full = full_checkpoint(checkpoint, self.stages_per_pipeline, self.num_model_chunks)
@@ -104,15 +152,26 @@ class PipelineCheckpoints:
         self._saved_layers, checkpoint["optimizer_states"] = load_stage_file(
             self.checkpoint_io, checkpoint_path, self.pp_rank, weights_only
         )
+        saved_stages = checkpoint.get("pipeline", {}).get("stages", 0)
+        self._stage_files = [stage_path(checkpoint_path, k) for k in range(saved_stages)], weights_only
         return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Restores optimizers only from a stage file of this very layout (same layers on this rank)."""
-        if self._saved_layers != sorted(self._proxy.state_dict()):
+        """Restores optimizers from this stage's file when the layout is the same, else by parameter name from
+        every stage file (see [Note: stage files])."""
+        if self._saved_layers == sorted(self._proxy.state_dict()):
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        paths, weights_only = self._stage_files
+        saved = [self.checkpoint_io.load_checkpoint(p, weights_only=weights_only) for p in paths if os.path.exists(p)]
+        wanted = optimizer_param_names(self.lightning_module, self.optimizers)
+        states = states_by_name(saved, wanted) if saved and len(saved) == len(paths) else None
+        if states is None:
             log.info("the checkpoint has no optimizer states for this stage layout: optimizers start fresh")
             return
-        super().load_optimizer_state_dict(checkpoint)
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            optimizer.load_state_dict(state)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -92,9 +92,11 @@ def logits_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class LitLM(L.LightningModule):
     """The user's module: its step calls the model as the model's documentation says."""
 
-    def __init__(self, model: nn.Module, loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self, model: nn.Module, loss: Callable[[nn.Module, torch.Tensor], torch.Tensor], momentum: float = 0.0
+    ) -> None:
         super().__init__()
-        self.model, self.loss = model, loss
+        self.model, self.loss, self.momentum = model, loss, momentum
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.loss(self.model, batch[0])
@@ -105,7 +107,7 @@ class LitLM(L.LightningModule):
         self.log("val_loss", self.loss(self.model, batch[0]))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
 
 
 def tokens(dp: int = 1) -> torch.Tensor:
@@ -123,28 +125,35 @@ def build(make: Callable[[], nn.Module]) -> nn.Module:
     return make().double()
 
 
-def one_process(make: Callable[[], nn.Module], loss: Callable, dp: int = 1) -> tuple[dict[str, torch.Tensor], float]:
+def one_process(
+    make: Callable[[], nn.Module], loss: Callable, dp: int = 1, clip: float | None = None
+) -> tuple[dict[str, torch.Tensor], float]:
     """The reference: ``dp`` replicas' batches of a step are one batch of ``dp * BATCH`` rows here (each row
     has as many tokens, so the mean of the replicas' mean losses is this batch's mean loss). Returns the state
-    and the loss on the first validation batch after training."""
+    and the loss on the first validation batch after training. ``clip``: gradients clipped to that norm."""
     model = build(make)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     rows = BATCH * dp
     for step in range(STEPS):
         optimizer.zero_grad()
         loss(model, tokens(dp)[step * rows : (step + 1) * rows]).backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # a tied weight counts once here
+            assert norm > clip, f"clip={clip} must be below the gradient norm {float(norm)} to act"
         optimizer.step()
     with torch.no_grad():
         model.val_loss = float(loss(model, tokens()[:BATCH]))  # the first validation batch, after training
     return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}, model.val_loss
 
 
-def fit(make: Callable[[], nn.Module], loss: Callable, strategy: Any, dp: int = 1, dp_rank: int = 0) -> L.Trainer:
+def fit(
+    make: Callable[[], nn.Module], loss: Callable, strategy: Any, dp: int = 1, dp_rank: int = 0, **kwargs: Any
+) -> L.Trainer:
     """``STEPS`` steps; replica ``dp_rank`` of ``dp`` reads rows ``dp_rank::dp`` in order (no shuffling)."""
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=torch.distributed.get_world_size(), max_steps=STEPS,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, limit_val_batches=1, num_sanity_val_steps=0,
+        use_distributed_sampler=False, limit_val_batches=1, num_sanity_val_steps=0, **kwargs,
     )  # fmt: skip
     data = TensorDataset(tokens(dp))
     sampler = DistributedSampler(data, num_replicas=dp, rank=dp_rank, shuffle=False)
@@ -166,11 +175,13 @@ TIED = {
 }
 
 
-def check(full: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], name: str, label: str) -> None:
+def check(
+    full: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], name: str, label: str, tol: dict = TOL
+) -> None:
     """The full state matches one process's, tied copies are equal, and it loads into the unsplit model."""
     assert sorted(full) == sorted(expected), label
     for k, v in expected.items():
-        torch.testing.assert_close(full[k], v, **TOL, msg=f"{label} {k}")
+        torch.testing.assert_close(full[k], v, **tol, msg=f"{label} {k}")
     if name in TIED:
         first, second = TIED[name]
         assert torch.equal(full[first], full[second]), f"{label}: the tied copies differ"

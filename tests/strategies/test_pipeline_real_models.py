@@ -17,6 +17,11 @@ from lightning_haiscale.strategies import GPipeStrategy, Interleaved1F1BStrategy
 from tests.distributed import run_distributed
 from tests.strategies.real_models import MODELS, check, fit, one_process
 
+CLIP = 0.5  # below the gradient norm at every step (one_process checks), so clipping acts
+# clip_grad_norm_ combines the stages' norms in float64 but returns the total as float32: the clip factor
+# carries float32 rounding (~6e-8 relative) into float64 parameters.
+CLIP_TOL = {"rtol": 1e-6, "atol": 1e-8}
+
 
 def _schedules(pp_size: int) -> dict:
     return {
@@ -37,6 +42,13 @@ def _every_model_and_schedule(rank: int, world: int, names: tuple[str, ...] = tu
             assert abs(logged - val_loss) <= 1e-6 * abs(val_loss), (name, label, logged, val_loss)
 
 
+def _clipped_tied_weight_counts_once(rank: int, world: int) -> None:
+    make, loss = MODELS["gpt2"]
+    expected, _ = one_process(make, loss, clip=CLIP)
+    trainer = fit(make, loss, PipeDreamStrategy(chunks=2), gradient_clip_val=CLIP)
+    check(trainer.strategy.lightning_module_state_dict(), expected, "gpt2", "gpt2 clipped", CLIP_TOL)
+
+
 def _dp_x_pp(rank: int, world: int) -> None:
     _every_model_and_schedule(rank, world, ("gpt2", "llama"))  # the 2-rank test covers the other two
     for name in ("gpt2", "llama"):
@@ -48,6 +60,10 @@ def _dp_x_pp(rank: int, world: int) -> None:
 
 def test_real_models_train_unmodified_like_one_process() -> None:
     run_distributed(_every_model_and_schedule, 2, timeout=600)
+
+
+def test_a_tied_weight_counts_once_in_the_clipping_norm() -> None:
+    run_distributed(_clipped_tied_weight_counts_once, 2, timeout=300)
 
 
 @pytest.mark.slow  # ~2 min on 2 loaded cores: 4 ranks, 8 runs
