@@ -29,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_haiscale.checkpoint_files import folder_checkpoint
 from lightning_haiscale.fsdp import (
     BackwardPrefetch,
     FullyShardedDataParallel,
@@ -157,14 +158,11 @@ class HaiFSDPStrategy(HaiParallelStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero and path.is_file():
-            path.unlink()
-        self.barrier()
         model_shard, optim_shards = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
-        save_dcp(path, model_shard, optim_shards, self._wrapper().comm.group)  # creates the folder
-        if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, path / _META_FILE, storage_options=storage_options)
-        self.barrier()
+        with folder_checkpoint(path, publisher=self.is_global_zero, barrier=self.barrier) as staging:
+            save_dcp(staging, model_shard, optim_shards, self._wrapper().comm.group)  # creates the folder
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint, staging / _META_FILE, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -332,19 +333,25 @@ class _PipelineStrategy(HaiParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
-        """See [Note: stage files] in ``pipeline_checkpoint``."""
+        """See [Note: stage files] and [Note: one save, many files] in ``pipeline_checkpoint``."""
+        save_id = self.broadcast(secrets.token_hex(8))
         if self.dp_rank == 0:
-            stage_file = stage_files.stage_path(filepath, self.pp_rank)  # checkpoint_io creates the folder
-            stage = stage_files.stage_checkpoint(self._proxy.state_dict(), self.module_name, checkpoint)
-            self.checkpoint_io.save_checkpoint(stage, stage_file, storage_options)
+            stage = stage_files.stage_checkpoint(self._proxy.state_dict(), self.module_name, checkpoint, save_id)
+            uncommitted = stage_files.stage_path(filepath, self.pp_rank, save_id)  # checkpoint_io creates the folder
+            self.checkpoint_io.save_checkpoint(stage, uncommitted, storage_options)
+        self.barrier()
         if self.is_global_zero:
-            full = stage_files.full_checkpoint(checkpoint, self.stages_per_pipeline, self.num_model_chunks)
+            full = stage_files.full_checkpoint(checkpoint, self.stages_per_pipeline, self.num_model_chunks, save_id)
             self.checkpoint_io.save_checkpoint(full, filepath, storage_options=storage_options)
+        self.barrier()
+        if self.dp_rank == 0:
+            os.replace(uncommitted, stage_files.stage_path(filepath, self.pp_rank))
+            for leftover in stage_files.stage_files_of(filepath, self.pp_rank)[1:]:
+                os.remove(leftover)
 
     @override
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
-        stage_file = stage_files.stage_path(filepath, self.pp_rank)
-        if self.dp_rank == 0 and os.path.exists(stage_file):
+        for stage_file in stage_files.stage_files_of(filepath, self.pp_rank) if self.dp_rank == 0 else []:
             os.remove(stage_file)
         super().remove_checkpoint(filepath)
 
@@ -352,8 +359,9 @@ class _PipelineStrategy(HaiParallelStrategy):
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """The full checkpoint, with this stage's optimizer states when its stage file matches this layout."""
         checkpoint = dict(self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only))
+        save_id = checkpoint.get("pipeline", {}).get("save_id")
         self._saved_layers, checkpoint["optimizer_states"] = stage_files.load_stage_file(
-            self.checkpoint_io, checkpoint_path, self.pp_rank, weights_only
+            self.checkpoint_io, checkpoint_path, self.pp_rank, weights_only, save_id
         )
         return checkpoint
 
