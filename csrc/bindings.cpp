@@ -78,7 +78,8 @@ PYBIND11_MODULE(_C, m) {
       .value("TIMEOUT", ErrorKind::kTimeout)
       .value("PEER_DIED", ErrorKind::kPeerDied)
       .value("OTHER", ErrorKind::kOther)
-      .value("MISMATCH", ErrorKind::kMismatch);
+      .value("MISMATCH", ErrorKind::kMismatch)
+      .value("ABORTED", ErrorKind::kAborted);
 
   py::enum_<Collective>(m, "Collective")
       .value("ALL_REDUCE", Collective::kAllReduce)
@@ -175,6 +176,14 @@ PYBIND11_MODULE(_C, m) {
       .def_static("segment_bytes", &Communicator::segment_bytes)
       .def("wait_attached", &Communicator::wait_attached, py::call_guard<py::gil_scoped_release>())
       .def("stop", &Communicator::stop, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Communicator::abort, py::arg("rank"), py::arg("reason"))
+      .def("aborted",
+           [](const Communicator& c) -> py::object {
+             int32_t rank = -1;
+             std::string reason;
+             if (!c.aborted(&rank, &reason)) return py::none();
+             return py::make_tuple(rank, reason);
+           })
       .def("all_reduce",
            [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count, DType dt, double divisor,
               bool blocking) {
