@@ -236,7 +236,7 @@ class FullyShardedDataParallel(nn.Module):
         groups: dict[nn.Module, FSDPParamGroup] = {}
         for unit in reversed(units):
             refs = owned[unit]
-            materialize_unit(refs, scopes[unit], self.device, param_init_fn, shapes)
+            materialize_unit(refs, scopes[unit], self.device, param_init_fn, shapes, root=self.module)
             if not refs:
                 continue
             if sync:
