@@ -175,6 +175,7 @@ def _resume(rank: int, world: int, folder: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_hybrid_full_shard_and_mesh_shapes(tmp_path: Path) -> None:
     results = run_distributed(_resume, 4, str(tmp_path), node_ids=HOSTS, timeout=600)
     for r in results:
