@@ -151,7 +151,7 @@ def save_dcp(
 ) -> None:
     """Writes this rank's model and optimizer shards (``model.sharded_state_dict()`` /
     ``model.sharded_optim_state_dict(optimizer)``) into the DCP folder ``path``. Collective over ``group``
-    (``model.comm.group``)."""
+    (``model.process_group``: every rank of the model, replicas included)."""
     state = {
         "state_dict": {**_pieces_of(model_shard, aliases=True), **model_shard["buffers"]},
         "optimizer_states": [_optim_pieces(shard) for shard in optim_shards],
@@ -173,7 +173,7 @@ def load_dcp(
     if optimizers:
         state["optimizer_states"] = optimizers
     planner = _LoadPlanner(allow_partial_load=not strict)
-    dcp.load(state, checkpoint_id=path, planner=planner, process_group=model.comm.group)
+    dcp.load(state, checkpoint_id=path, planner=planner, process_group=model.process_group)
     model_shard = {**mine, "buffers": {k: state["state_dict"][k] for k in mine["buffers"]}}
     return model_shard, [_optim_shard(o, layout) for o in state.get("optimizer_states", [])]
 

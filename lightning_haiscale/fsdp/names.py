@@ -13,7 +13,7 @@ themselves, and each one's keys are the keys under which it appears, whatever th
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -41,7 +41,8 @@ def keys_of(paths: Iterable[str], names: Mapping[str, tuple[str, ...]]) -> list[
     return keys or paths
 
 
-def buffers_by_key(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s persistent buffers keyed as its ``state_dict()`` keys them."""
-    buffer_ids = {id(b) for b in module.buffers()}
-    return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) in buffer_ids}
+def buffers_by_key(module: nn.Module, params: Collection[int] = ()) -> dict[str, torch.Tensor]:
+    """``module``'s persistent buffers, and the parameters whose ``id`` is in ``params`` (not sharded: those of
+    ``ignored_modules``), keyed as its ``state_dict()`` keys them."""
+    local = {id(b) for b in module.buffers()} | set(params)
+    return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) in local}
