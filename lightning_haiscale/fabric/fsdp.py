@@ -33,7 +33,6 @@ from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, 
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
-from lightning_haiscale.hfreduce import Communicator
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout, strategy_repr
 from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.strategies.parallel import agree_on_inf, register_once
@@ -131,8 +130,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
 
     @override
     def setup_module(self, module: nn.Module) -> FullyShardedDataParallel:
-        engine = Communicator(timeout=self._timeout)
-        wrapped = wrap_hai_fsdp(module, self.root_device, engine, self.precision.precision, self._fsdp_options)
+        wrapped = wrap_hai_fsdp(module, self.root_device, self._timeout, self.precision.precision, self._fsdp_options)
         self._wrapped.add(wrapped)
         return wrapped
 
@@ -219,7 +217,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
         optimizers = [name for name, value in state.items() if isinstance(value, Optimizer)]
         module = next(name for name, value in state.items() if value is model)
         shards = [model.sharded_optim_state_dict(state[name]) for name in optimizers]
-        save_dcp(folder, model.sharded_state_dict(), shards, model.comm.group)
+        save_dcp(folder, model.sharded_state_dict(), shards, model.process_group)
         rest = {
             name: value.state_dict() if hasattr(value, "state_dict") else value
             for name, value in state.items()

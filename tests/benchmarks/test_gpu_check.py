@@ -55,3 +55,14 @@ def test_fit_check_can_fail_and_race_parity_on_cpu() -> None:
     results = run_distributed(_wrong_reference_and_race, 2, timeout=180)
     assert results[0][0] > gpu_fit.TOLERANCE["32-true"] * 100
     assert max(race for _, race in results) < 1e-5
+
+
+def test_fsdp_mode_checks_pass_on_cpu() -> None:
+    """hai_fsdp's sharding strategies, cpu_offload (no effect on CPU) and activation checkpointing under
+    bf16-mixed, compared with one fp32 process as on the GPU."""
+    rows = gpu_check.check_fsdp_modes("cpu")
+    labels = [row.check for row in rows]
+    modes = ("'FULL_SHARD'", "'SHARD_GRAD_OP'", "'NO_SHARD'", "'HYBRID_SHARD'", "cpu_offload=True", "checkpointing")
+    for mode in modes:
+        assert any(mode in label for label in labels), mode
+    assert all(row.ok for row in rows), rows

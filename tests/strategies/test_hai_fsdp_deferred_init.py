@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
