@@ -238,37 +238,63 @@ class FSDPModeCase(gpu_fit.Case):
 
     @property
     def label(self) -> str:
-        options = ", ".join(f"{k}={v!r}" for k, v in self.options)
+        options = ", ".join(f"{k}={v.__name__ if callable(v) else repr(v)}" for k, v in self.options)
         return f"hai_fsdp({options}) on {self.world} processes"
 
 
-def fsdp_mode_cases(world: int = 2) -> list[FSDPModeCase]:
-    """Each sharding strategy, ``cpu_offload`` and activation checkpointing, as Lightning's FSDP guide sets them."""
+def _pairs(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    """The classifier's (Linear, Tanh) pairs, each a unit: checkpointed as Lightning's guide advises (the same
+    modules as the wrap policy's units)."""
+    return recurse or (isinstance(module, nn.Sequential) and isinstance(module[-1], nn.Tanh))
+
+
+def fsdp_mode_cases(world: int = 2, device: str = "cuda") -> list[FSDPModeCase]:
+    """Each sharding strategy (hybrid as 2 replicas of 1 shard, so the replicate engine runs), activation
+    checkpointing, and on CPU ``cpu_offload`` (no effect there; on CUDA see :func:`check_fsdp_modes`)."""
     options: list[tuple[tuple[str, Any], ...]] = [
         (("sharding_strategy", "FULL_SHARD"),),
         (("sharding_strategy", "SHARD_GRAD_OP"),),
         (("sharding_strategy", "NO_SHARD"),),
-        (("cpu_offload", True),),
-        (("activation_checkpointing_policy", {nn.Linear}),),
+        (("sharding_strategy", "HYBRID_SHARD"), ("device_mesh", (world, 1))),
+        (("activation_checkpointing_policy", _pairs),),
     ]
+    if device == "cpu":
+        options.append((("cpu_offload", True),))
     return [FSDPModeCase("hai_fsdp", world, dp=world, options=o) for o in options]
 
 
 def _fsdp_modes_worker(rank: int, world: int, device: str, precision: str) -> list[tuple[str, float]]:
     if device == "cuda":
         torch.cuda.set_device(0)
-    return [(case.label, gpu_fit.fit_error(case, precision, device)) for case in fsdp_mode_cases(world)]
+    return [(case.label, gpu_fit.fit_error(case, precision, device)) for case in fsdp_mode_cases(world, device)]
+
+
+def _cpu_offload_worker(rank: int, world: int) -> str:
+    """``cpu_offload=True`` on CUDA: the wrapper refuses it (not built) when the Trainer sets the model up."""
+    torch.cuda.set_device(0)
+    case = FSDPModeCase("hai_fsdp", world, dp=world, options=(("cpu_offload", True),))
+    try:
+        gpu_fit.fit_error(case, "bf16-mixed", "cuda")
+    except NotImplementedError as error:
+        return f"refused: {str(error)[:100]}"
+    return "trained"
 
 
 def check_fsdp_modes(device: str = "cuda", precision: str = "bf16-mixed") -> list[Row]:
-    """hai_fsdp's sharding strategies, ``cpu_offload`` and activation checkpointing: Trainer fits on 2 processes
-    sharing the GPU, each against one fp32 process (``gpu_fit``'s tolerance for ``precision``)."""
+    """hai_fsdp's sharding strategies and activation checkpointing (and ``cpu_offload`` on CPU): Trainer fits on 2
+    processes sharing the GPU, each against one fp32 process (``gpu_fit``'s tolerance for ``precision``). On CUDA,
+    ``cpu_offload=True`` must be refused with its reason until it is built, never run on the device silently."""
     results = run_distributed(_fsdp_modes_worker, 2, device, precision, timeout=420)[0]
-    return [
+    rows = [
         Row(f"Trainer fit {label}, {precision} on {device}", ok, f"max rel err {error:.1e}")
         for label, error in results
         for ok in [error < gpu_fit.TOLERANCE[precision]]
     ]
+    if device == "cuda":
+        outcome = run_distributed(_cpu_offload_worker, 2, timeout=300)[0]
+        refused = outcome.startswith("refused")
+        rows.append(Row("hai_fsdp(cpu_offload=True) on cuda: refused until built", refused, outcome))
+    return rows
 
 
 def check_gpu_tests() -> list[Row]:

@@ -34,7 +34,6 @@ from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, 
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
-from lightning_haiscale.hfreduce import Communicator
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout, strategy_repr
 from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.strategies.parallel import agree_on_inf, register_once
@@ -132,8 +131,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
 
     @override
     def setup_module(self, module: nn.Module) -> FullyShardedDataParallel:
-        engine = Communicator(timeout=self._timeout)
-        wrapped = wrap_hai_fsdp(module, self.root_device, engine, self.precision.precision, self._fsdp_options)
+        wrapped = wrap_hai_fsdp(module, self.root_device, self._timeout, self.precision.precision, self._fsdp_options)
         self._wrapped.add(wrapped)
         return wrapped
 
@@ -226,7 +224,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
             if name != module and name not in optimizers
         }
         with folder_checkpoint(folder, publisher=self.is_global_zero, barrier=self.barrier) as staging:
-            save_dcp(staging, model.sharded_state_dict(), shards, model.comm.group)
+            save_dcp(staging, model.sharded_state_dict(), shards, model.process_group)
             if self.is_global_zero:
                 names = {"module": module, "optimizers": optimizers}
                 self.checkpoint_io.save_checkpoint({**rest, _NAMES: names}, staging / _META_FILE, storage_options)

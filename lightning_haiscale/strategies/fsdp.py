@@ -40,7 +40,6 @@ from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, 
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
-from lightning_haiscale.hfreduce import Communicator
 from lightning_haiscale.strategies.arguments import check_choice, strategy_repr
 from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
@@ -76,9 +75,11 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         auto_wrap_policy: which submodules become units (torch's wrap policies or a set of module classes).
         activation_checkpointing: deprecated spelling of ``activation_checkpointing_policy`` (classes).
         activation_checkpointing_policy: the modules whose activations backward recomputes (classes or a policy).
-        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"`` (or torch's enum).
+        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"`` or
+            ``"_HYBRID_SHARD_ZERO2"`` (or torch's enum).
         state_dict_type: ``"full"`` (one file, rank 0) or ``"sharded"`` (a ``torch.distributed.checkpoint`` folder).
-        device_mesh: refused until hybrid sharding lands.
+        device_mesh: for the hybrid strategies, ``(replicate, shard)`` or a 2-D ``DeviceMesh``; default: shard
+            within each host, replicate across hosts.
         limit_all_gathers, forward_prefetch, use_orig_params, sync_module_states, ignored_modules: torch FSDP's,
             passed to the wrapper (``None``: its default). Lightning takes them in ``**kwargs``; named here,
             LightningCLI shows and parses them.
@@ -188,8 +189,8 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         existing = model.__dict__.get(_WRAPPER_ATTR)
         if isinstance(existing, FullyShardedDataParallel):
             return existing
-        precision, engine = self.precision_plugin.precision, Communicator(timeout=self._timeout)
-        wrapped = wrap_hai_fsdp(model, self.root_device, engine, precision, self._fsdp_options)
+        precision = self.precision_plugin.precision
+        wrapped = wrap_hai_fsdp(model, self.root_device, self._timeout, precision, self._fsdp_options)
         model.__dict__[_WRAPPER_ATTR] = wrapped  # not a submodule: plain attribute
         return wrapped
 
@@ -229,7 +230,7 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         model_shard, optim_shards = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         with folder_checkpoint(path, publisher=self.is_global_zero, barrier=self.barrier) as staging:
-            save_dcp(staging, model_shard, optim_shards, self._wrapper().comm.group)  # creates the folder
+            save_dcp(staging, model_shard, optim_shards, self._wrapper().process_group)  # creates the folder
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, staging / _META_FILE, storage_options=storage_options)
 

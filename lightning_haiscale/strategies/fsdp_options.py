@@ -5,33 +5,35 @@ Shared by the Trainer's and Fabric's ``HaiFSDPStrategy``: each keyword is either
 built, with the reason and the fix, never dropped.
 
 [Note: what each FSDPStrategy keyword becomes]
-=================================  ==================================================================================
-``sharding_strategy``              ``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD`` (strings, any case, or torch's
-                                   ``ShardingStrategy``); the hybrid modes are refused until the engine has them.
-``activation_checkpointing[_policy]`` torch's ``checkpoint_wrapper`` on the policy's modules before sharding
-                                   (``fsdp.checkpointing``): a recomputed unit gathers its parameters again.
-``cpu_offload``                    ``True`` or torch's ``CPUOffload``: on CUDA, shards and gradients in host memory;
-                                   on CPU they are there already: accepted, and said once.
-``mixed_precision``                torch's ``MixedPrecision`` (or ours): wins over the Trainer's ``precision``, as
-                                   in Lightning. ``keep_low_precision_grads=True`` is refused.
-``state_dict_type``                ``"full"`` or ``"sharded"``.
-``device_mesh``                    refused until hybrid sharding lands.
-``**kwargs``                       torch FSDP's ``limit_all_gathers``, ``forward_prefetch``, ``use_orig_params``,
-                                   ``sync_module_states``, ``ignored_modules``, ``backward_prefetch``,
-                                   ``param_init_fn``; ``process_group``, ``device_id``, ``ignored_states`` and any
-                                   other name raise (see ``_REFUSED``).
-=================================  ==================================================================================
+- ``sharding_strategy``: ``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``
+  (strings in any case, or torch's ``ShardingStrategy``). ``FULL_SHARD`` and ``SHARD_GRAD_OP`` run on one engine
+  the strategy builds with its ``timeout``; the others on the wrapper's engines over their groups.
+- ``device_mesh``: hybrid only, ``(replicate, shard)`` or a 2-D ``DeviceMesh``; without it, shard within each host
+  and replicate across hosts.
+- ``activation_checkpointing_policy`` (or the deprecated ``activation_checkpointing``): torch's
+  ``checkpoint_wrapper`` on the policy's modules before sharding (``fsdp.checkpointing``): a recomputed unit
+  gathers its parameters again.
+- ``cpu_offload``: ``True`` or torch's ``CPUOffload``. On CPU the shards are in host memory already: accepted, and
+  said once. On CUDA it goes to the wrapper, which refuses it until it is built.
+- ``mixed_precision``: torch's ``MixedPrecision`` (or ours) wins over the Trainer's ``precision``, as in
+  Lightning; ``keep_low_precision_grads=True`` is refused.
+- ``limit_all_gathers``, ``forward_prefetch``, ``use_orig_params``, ``sync_module_states``, ``ignored_modules``
+  (torch FSDP's, Lightning's ``**kwargs``; named parameters of ours), ``backward_prefetch``, ``param_init_fn``:
+  passed to the wrapper. ``process_group``, ``device_id``, ``ignored_states`` and any other name raise (see
+  ``_REFUSED``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
 from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
@@ -39,17 +41,16 @@ from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy, apply_activation_checkpointing, check_ac_policy
 from lightning_haiscale.fsdp.wrap import check_policy
+from lightning_haiscale.hfreduce import Communicator
 from lightning_haiscale.strategies.arguments import check_bool
 
 __all__ = ["SHARDING_STRATEGIES", "HaiFSDPOptions", "hai_fsdp_options", "wrap_hai_fsdp"]
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
-"""The ``sharding_strategy`` values ``hai_fsdp`` runs today."""
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+"""The ``sharding_strategy`` values ``hai_fsdp`` runs."""
 
-_LATER = {
-    "HYBRID_SHARD": "hybrid sharding over the host tree is not built yet (issue 27)",
-    "_HYBRID_SHARD_ZERO2": "hybrid sharding over the host tree is not built yet (issue 27)",
-}
+_ONE_ENGINE = ("FULL_SHARD", "SHARD_GRAD_OP")
+"""Strategies that run on one engine over every rank, which the strategy builds with its ``timeout``."""
 
 _PASSED = ("limit_all_gathers", "forward_prefetch", "use_orig_params", "sync_module_states", "ignored_modules")
 """torch FSDP keywords (Lightning's ``**kwargs``) that the wrapper takes as they are."""
@@ -105,18 +106,18 @@ def hai_fsdp_options(
     check_bool("reshard_after_forward", reshard_after_forward)
     if param_init_fn is not None and not callable(param_init_fn):
         raise TypeError(f"param_init_fn={param_init_fn!r} must be a function fn(module) or None")
-    if device_mesh is not None:
-        raise ValueError(f"device_mesh={device_mesh!r}: {_LATER['HYBRID_SHARD']}; remove it to shard over every rank")
+    sharding = sharding_strategy_name(sharding_strategy)
     wrapper = {
         "auto_wrap_policy": auto_wrap_policy,
         "backward_prefetch": _backward_prefetch(backward_prefetch),
         "reshard_after_forward": reshard_after_forward,
         "param_init_fn": param_init_fn,
         **_torch_kwargs(kwargs),
+        **_mesh(device_mesh, sharding),
     }
     return HaiFSDPOptions(
         wrapper=wrapper,
-        sharding_strategy=sharding_strategy_name(sharding_strategy),
+        sharding_strategy=sharding,
         mixed_precision=_mixed_precision(mixed_precision),
         activation_checkpointing=_checkpointing(activation_checkpointing, activation_checkpointing_policy),
         cpu_offload=_cpu_offload(cpu_offload),
@@ -124,18 +125,36 @@ def hai_fsdp_options(
 
 
 def sharding_strategy_name(value: Any) -> str:
-    """``"FULL_SHARD"``, ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"`` from a string (any case) or torch's enum."""
+    """One of :data:`SHARDING_STRATEGIES` from a string (any case) or torch's ``ShardingStrategy``."""
     if isinstance(value, ShardingStrategy):
         name = value.name
     elif isinstance(value, str):
         name = value.upper() if value.upper() in ShardingStrategy.__members__ else value
     else:
         raise TypeError(f"sharding_strategy={value!r} must be a name such as 'FULL_SHARD' or torch's ShardingStrategy")
-    if name in _LATER:
-        raise ValueError(f"sharding_strategy={value!r}: {_LATER[name]}; use one of {', '.join(SHARDING_STRATEGIES)}")
     if name not in SHARDING_STRATEGIES:
         raise ValueError(f"sharding_strategy={value!r} must be one of {', '.join(SHARDING_STRATEGIES)}")
     return name
+
+
+def _mesh(device_mesh: Any, sharding: str) -> dict[str, Any]:
+    """``device_mesh``: a ``(replicate, shard)`` tuple or a 2-D torch ``DeviceMesh``, for the hybrid strategies.
+    Whether its size matches the world is checked at setup, when the world is known."""
+    if device_mesh is None:
+        return {}
+    if "HYBRID" not in sharding:
+        raise ValueError(
+            f"device_mesh={device_mesh!r} describes hybrid sharding (replicate, shard) but sharding_strategy="
+            f"{sharding!r}; pass sharding_strategy='HYBRID_SHARD' (or '_HYBRID_SHARD_ZERO2'), or leave device_mesh out"
+        )
+    shape = isinstance(device_mesh, tuple | list) and len(device_mesh) == 2
+    shape = shape and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in device_mesh)
+    if not shape and not (isinstance(device_mesh, DeviceMesh) and device_mesh.ndim == 2):
+        raise TypeError(
+            f"device_mesh={device_mesh!r} must be a (replicate, shard) tuple of two positive ints or a 2-D torch "
+            "DeviceMesh"
+        )
+    return {"device_mesh": tuple(device_mesh) if shape else device_mesh}
 
 
 def _backward_prefetch(value: Any) -> BackwardPrefetch | None:
@@ -220,29 +239,27 @@ def _cpu_offload(value: Any) -> bool:
 def wrap_hai_fsdp(
     module: nn.Module,
     device: torch.device,
-    communicator: Any,
+    timeout: timedelta,
     precision: str,
     options: HaiFSDPOptions,
 ) -> FullyShardedDataParallel:
-    """Applies activation checkpointing, then shards ``module`` on ``communicator``.
+    """Applies activation checkpointing, then shards ``module``; ``timeout`` is the engine's deadline.
 
     Without a ``mixed_precision`` of the user's, bf16-mixed gathers and reduces in bf16 (half the traffic) while
-    autocast still runs the ops.
+    autocast still runs the ops. ``FULL_SHARD`` and ``SHARD_GRAD_OP`` run on one engine the strategy builds with
+    its ``timeout``; ``NO_SHARD`` and the hybrid strategies on the wrapper's own engines over their groups.
     """
     mixed = options.mixed_precision
     if mixed is None and precision == "bf16-mixed":
         mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=False)
     if options.activation_checkpointing is not None:
         apply_activation_checkpointing(module, options.activation_checkpointing)
-    extra: dict[str, Any] = {}
-    if options.sharding_strategy != "FULL_SHARD":
-        extra["sharding_strategy"] = options.sharding_strategy
+    extra: dict[str, Any] = {"sharding_strategy": options.sharding_strategy}
+    if options.sharding_strategy in _ONE_ENGINE:
+        extra["communicator"] = Communicator(timeout=timeout)
     if options.cpu_offload:
         if device.type == "cpu":
             rank_zero_warn("HaiFSDPStrategy(cpu_offload=True) has no effect on CPU: the shards are in host memory")
         else:
             extra["cpu_offload"] = CPUOffload(offload_params=True)
-    return FullyShardedDataParallel(
-        module, mixed_precision=mixed, device_id=device, communicator=communicator, **options.wrapper, **extra
-    )
-
+    return FullyShardedDataParallel(module, mixed_precision=mixed, device_id=device, **options.wrapper, **extra)

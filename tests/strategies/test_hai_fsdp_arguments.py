@@ -64,7 +64,7 @@ def test_signature_is_lightnings_after_our_own(ours: type, lightnings: type, own
 
 def _documented_calls(policy: set[type[nn.Module]]) -> list[dict[str, Any]]:
     """Every ``FSDPStrategy(...)`` call of Lightning's FSDP guides (Trainer and Fabric,
-    docs/source-*/advanced/model_parallel/fsdp.rst), and litgpt's pretrain.py / finetune/full.py ones."""
+    docs/source-*/advanced/model_parallel/fsdp.rst), litgpt's pretrain.py / finetune/full.py ones, and issue 24's."""
     return [
         {},
         {"auto_wrap_policy": policy},
@@ -78,7 +78,18 @@ def _documented_calls(policy: set[type[nn.Module]]) -> list[dict[str, Any]]:
         {"state_dict_type": "sharded"},
         {"limit_all_gathers": False},
         {"limit_all_gathers": True},
+        {"sharding_strategy": "HYBRID_SHARD"},  # Fabric's guide
         {"auto_wrap_policy": policy, "state_dict_type": "full", "sharding_strategy": "FULL_SHARD"},  # litgpt, 1 node
+        {"auto_wrap_policy": policy, "state_dict_type": "full", "sharding_strategy": "HYBRID_SHARD"},  # litgpt, nodes
+        {
+            "auto_wrap_policy": policy,
+            "activation_checkpointing_policy": policy,
+            "sharding_strategy": "HYBRID_SHARD",
+            "cpu_offload": True,
+            "mixed_precision": TorchMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            "state_dict_type": "sharded",
+            "device_mesh": (2, 4),
+        },  # issue 24's example
         {
             "auto_wrap_policy": policy,
             "activation_checkpointing_policy": policy,
@@ -99,12 +110,15 @@ def test_documented_calls_build(cls: type) -> None:
 
 
 @BOTH
-def test_hybrid_is_refused_with_its_reason(cls: type) -> None:
-    for value in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", ShardingStrategy.HYBRID_SHARD):
-        with pytest.raises(ValueError, match=r"sharding_strategy=.*HYBRID.*not built yet"):
-            cls(sharding_strategy=value)
-    with pytest.raises(ValueError, match=r"device_mesh=\(2, 4\).*not built yet"):
+def test_hybrid_keywords(cls: type) -> None:
+    for value in ("HYBRID_SHARD", "_hybrid_shard_zero2", ShardingStrategy.HYBRID_SHARD):
+        assert "HYBRID" in cls(sharding_strategy=value).sharding_strategy
+    assert cls(sharding_strategy="HYBRID_SHARD", device_mesh=[2, 4])._fsdp_options.wrapper["device_mesh"] == (2, 4)
+    with pytest.raises(ValueError, match=r"device_mesh=\(2, 4\) describes hybrid sharding .* sharding_strategy='FULL"):
         cls(device_mesh=(2, 4))
+    for bad in ((2,), (2, 0), (2, True), "2x4"):
+        with pytest.raises(TypeError, match=r"must be a \(replicate, shard\) tuple of two positive ints or a 2-D"):
+            cls(sharding_strategy="HYBRID_SHARD", device_mesh=bad)
 
 
 @BOTH
@@ -201,7 +215,8 @@ class _Checkpointed(Classifier):
 
 def _fits(rank: int, world: int) -> None:
     """What only a fit shows: the CPU's word on cpu_offload, torch's MixedPrecision over the Trainer's precision
-    (and under Fabric), checkpointing configured on a model already checkpointed by hand."""
+    (and under Fabric), each documented call training, checkpointing configured on a model already checkpointed by
+    hand."""
     rows = data(BATCH * world)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -216,6 +231,14 @@ def _fits(rank: int, world: int) -> None:
     runner = Fabric(accelerator="cpu", devices=world, strategy=fabric.HaiFSDPStrategy(mixed_precision=policy))
     runner.launch()
     assert runner.strategy.setup_module(nn.Linear(4, 4)).mixed_precision.param_dtype == torch.bfloat16
+
+    for call in _documented_calls({nn.Sequential}):  # each documented call trains (a mesh of 8 needs 8 ranks)
+        if "device_mesh" in call:
+            continue
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "HaiFSDPStrategy.cpu_offload=True. has no effect on CPU")
+            trainer = quiet_fit(Classifier(), HaiFSDPStrategy(**call), 1, rows, BATCH)
+        assert trainer.global_step == 1, call
 
     module = _Checkpointed()
     with pytest.warns(UserWarning, match="already has checkpointed modules"):
