@@ -44,6 +44,7 @@ from lightning_haiscale.fsdp.api import BackwardPrefetch, MixedPrecision, StateD
 from lightning_haiscale.fsdp.arrival import ArrivalCheck
 from lightning_haiscale.fsdp.deferred_init import materialize_unit
 from lightning_haiscale.fsdp.layout import ShardLayout
+from lightning_haiscale.fsdp.names import buffers_by_key, keys_of, state_dict_names
 from lightning_haiscale.fsdp.optim_state import (
     gather_full_optim_state,
     load_full_optim_state,
@@ -169,12 +170,16 @@ class FullyShardedDataParallel(nn.Module):
     ) -> dict[nn.Module, FSDPParamGroup]:
         """Materializes and shards the units innermost first, so one unit at a time is whole."""
         owned = assign_params(self.module, units)
+        names = state_dict_names(self.module)  # see names [Note: state-dict keys are not parameter names]
+        for refs in owned.values():
+            for ref in refs:
+                ref.fqns = keys_of(ref.fqns, names)
         scopes = unit_scopes(self.module, units)
         shapes: dict[int, torch.Size] = {}
         groups: dict[nn.Module, FSDPParamGroup] = {}
         for unit in reversed(units):
             refs = owned[unit]
-            materialize_unit(refs, scopes[unit], self.device, param_init_fn, shapes)
+            materialize_unit(refs, scopes[unit], self.device, param_init_fn, shapes, root=self.module)
             if not refs:
                 continue
             group = FSDPParamGroup(refs, self.comm, self.device, self.mixed_precision)
@@ -487,7 +492,7 @@ class FullyShardedDataParallel(nn.Module):
         return [group.pieces for group in self._groups.values()]
 
     def _buffers_by_name(self) -> dict[str, torch.Tensor]:
-        return dict(self.module.named_buffers(remove_duplicate=False))
+        return buffers_by_key(self.module)
 
     def __getattr__(self, name: str) -> Any:
         try:
