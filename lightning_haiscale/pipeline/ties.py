@@ -68,6 +68,7 @@ class TiedParameters:
         spanning = [t for t in self.ties if len({s % ranks for s in t.stages}) > 1]
         if not spanning:
             return
+        group = group if group is not None else dist.group.WORLD
         me = dist.get_rank(group)
         pipelines: list[Any] = [None] * dist.get_world_size()
         signature = [(t.stages, t.names) for t in self.ties]

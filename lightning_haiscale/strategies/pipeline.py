@@ -101,7 +101,7 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
         self._pipeline: Pipeline | None = None
         self._step: PipelinedStep | None = None
         self._saved_layers: list[str] | None = None
-        self._stage_files: tuple[list[str], bool | None] = ([], None)
+        self._stage_files: tuple[Any, range, bool | None, str | None] = ("", range(0), None, None)  # load_checkpoint
         self._network: Network | None = None
         self._forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
 

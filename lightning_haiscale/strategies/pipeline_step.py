@@ -116,8 +116,8 @@ class StageProxy(_StandIn, SequentialModel):
         super().__init__(*args)
         self._init_stand_in()
 
-    def forward(self, *inputs: Any) -> Any:
-        return self._stand_in_call(inputs, {})
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self._stand_in_call(inputs, kwargs)  # keywords are refused by name in ``PipelinedStep``
 
 
 class ForwardStandIn(_StandIn):
@@ -231,6 +231,7 @@ class PipelinedStep:
         self.group, self.device = group, device
         self._shadows = contextlib.ExitStack()
         self._module_zero_grad: Callable[..., Any] | None = None
+        self._checked: set[str] = set()
 
     def take_over_zero_grad(self) -> None:
         """See [Note: pipelines inside automatic optimization]; ``close`` gives it back."""
@@ -253,6 +254,7 @@ class PipelinedStep:
         if batch_idx % accumulate == 0 and self._module_zero_grad is not None:
             for optimizer in optimizers:
                 self._module_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+        self.check_step_form(module.training_step, args, kwargs)
         batches, weights = self._split(args[0])
         recorder = LogRecorder(weights)
 
@@ -299,6 +301,7 @@ class PipelinedStep:
         """
         if self.pipeline.runs_whole_module:
             return self._evaluate_calls(step, args, kwargs, publish)
+        self.check_step_form(step, args, kwargs)
         inputs, _ = self._network_calls(step, [(args, kwargs)])
         output = self.pipeline(*inputs[0]) if inputs is not None else self.pipeline()
         recorder, result = LogRecorder(), None
@@ -333,17 +336,25 @@ class PipelinedStep:
             return [()] * len(steps), [self._capture(step, a, k) for a, k in steps]
         if not self.pipeline.is_first_stage:
             return None, None
-        inputs = []
-        for a, k in steps:
-            args, kwargs = self._capture(step, a, k)
-            if kwargs:
-                raise TypeError(
-                    f"{step.__name__} calls the Sequential {self.network_name!r} with keywords {sorted(kwargs)}; "
-                    f"a Sequential takes positional inputs (self.{self.network_name}(x)); a module with keyword inputs "
-                    "is split at its blocks instead (module_name= naming it, or split_points=)"
-                )
-            inputs.append(args)
-        return inputs, None
+        return [self._positional_call(step, a, k) for a, k in steps], None
+
+    def check_step_form(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """Runs ``step`` up to the network call on every rank once (a Sequential's later stages never run it
+        before the schedule), so a step the strategy cannot replay raises on every rank, before any transfer."""
+        if step.__name__ not in self._checked:
+            if not self.pipeline.runs_whole_module:
+                self._positional_call(step, args, kwargs)
+            self._checked.add(step.__name__)
+
+    def _positional_call(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, ...]:
+        inputs, keywords = self._capture(step, args, kwargs)
+        if keywords:
+            raise TypeError(
+                f"{step.__name__} calls the Sequential {self.network_name!r} with keywords {sorted(keywords)}; "
+                f"a Sequential takes positional inputs (self.{self.network_name}(x)); a module with keyword inputs "
+                "is split at its blocks instead (module_name= naming it, or split_points=)"
+            )
+        return inputs
 
     def _capture(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         call = capture_inputs(self.module, self.proxy, step, args, kwargs)

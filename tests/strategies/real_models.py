@@ -175,13 +175,11 @@ TIED = {
 }
 
 
-def check(
-    full: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], name: str, label: str, tol: dict = TOL
-) -> None:
+def check(full: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], name: str, label: str) -> None:
     """The full state matches one process's, tied copies are equal, and it loads into the unsplit model."""
     assert sorted(full) == sorted(expected), label
     for k, v in expected.items():
-        torch.testing.assert_close(full[k], v, **tol, msg=f"{label} {k}")
+        torch.testing.assert_close(full[k], v, **TOL, msg=f"{label} {k}")
     if name in TIED:
         first, second = TIED[name]
         assert torch.equal(full[first], full[second]), f"{label}: the tied copies differ"

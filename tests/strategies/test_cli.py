@@ -137,6 +137,7 @@ def test_every_strategy_trains_on_two_processes(tmp_path: Path) -> None:
 _COMMON = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 _HAI_PARALLEL = {*_COMMON, "timeout", "process_group_backend"}
 _PIPELINE = {*_HAI_PARALLEL, "chunks", "pp_size", "balance", "num_model_chunks", "checkpoint", "module_name"}
+_PIPELINE.add("split_points")
 HELP: dict[str, set[str]] = {
     "lightning_haiscale.HaiDDPStrategy": {
         *_COMMON,

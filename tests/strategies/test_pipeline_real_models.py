@@ -18,9 +18,6 @@ from tests.distributed import run_distributed
 from tests.strategies.real_models import MODELS, check, fit, one_process
 
 CLIP = 0.5  # below the gradient norm at every step (one_process checks), so clipping acts
-# clip_grad_norm_ combines the stages' norms in float64 but returns the total as float32: the clip factor
-# carries float32 rounding (~6e-8 relative) into float64 parameters.
-CLIP_TOL = {"rtol": 1e-6, "atol": 1e-8}
 
 
 def _schedules(pp_size: int) -> dict:
@@ -46,7 +43,7 @@ def _clipped_tied_weight_counts_once(rank: int, world: int) -> None:
     make, loss = MODELS["gpt2"]
     expected, _ = one_process(make, loss, clip=CLIP)
     trainer = fit(make, loss, PipeDreamStrategy(chunks=2), gradient_clip_val=CLIP)
-    check(trainer.strategy.lightning_module_state_dict(), expected, "gpt2", "gpt2 clipped", CLIP_TOL)
+    check(trainer.strategy.lightning_module_state_dict(), expected, "gpt2", "gpt2 clipped")
 
 
 def _dp_x_pp(rank: int, world: int) -> None:
