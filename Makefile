@@ -30,7 +30,7 @@ test: $(STAMP)
 
 # The engine's portable reduce kernels forced (HFREDUCE_KERNELS, see README "Troubleshooting") on the tests that
 # run the engine: what a CPU without AVX2 computes. `HFREDUCE_KERNELS=generic make test` runs the whole suite so.
-PORTABLE_TESTS ?= tests/hfreduce tests/ddp tests/fsdp tests/test_parity_mutations.py
+PORTABLE_TESTS ?= tests/hfreduce tests/ddp tests/test_parity_mutations.py  # about 4-5 min on 2 quiet cores
 test-portable: $(STAMP)
 	HFREDUCE_KERNELS=generic OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PORTABLE_TESTS)
 
