@@ -57,6 +57,11 @@ double checked_divisor(DType dtype, double divisor) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hfreduce-style shared-memory collective engine (no torch inside; see lightning_haiscale.hfreduce)";
   m.def("simd_level", &hfreduce::simd_level);
+  m.def("simd_levels", &hfreduce::simd_levels, "The reduce kernel sets this CPU runs, lowest first.");
+  m.def("set_simd_level", &hfreduce::set_simd_level, py::arg("name"),
+        "Dispatches the reduce kernels to `name` (test hook; users set HFREDUCE_KERNELS).");
+  m.attr("KERNELS_ENV") = hfreduce::kKernelsEnv;
+  hfreduce::simd_level();  // a bad HFREDUCE_KERNELS fails the import with its message, not a collective
   m.attr("WORKER_THREAD_NAME") = hfreduce::kWorkerThreadName;
   py::register_exception<hfreduce::ShmFullError>(m, "ShmFullError", PyExc_MemoryError);
 
@@ -73,7 +78,8 @@ PYBIND11_MODULE(_C, m) {
       .value("TIMEOUT", ErrorKind::kTimeout)
       .value("PEER_DIED", ErrorKind::kPeerDied)
       .value("OTHER", ErrorKind::kOther)
-      .value("MISMATCH", ErrorKind::kMismatch);
+      .value("MISMATCH", ErrorKind::kMismatch)
+      .value("ABORTED", ErrorKind::kAborted);
 
   py::enum_<Collective>(m, "Collective")
       .value("ALL_REDUCE", Collective::kAllReduce)
@@ -170,6 +176,14 @@ PYBIND11_MODULE(_C, m) {
       .def_static("segment_bytes", &Communicator::segment_bytes)
       .def("wait_attached", &Communicator::wait_attached, py::call_guard<py::gil_scoped_release>())
       .def("stop", &Communicator::stop, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Communicator::abort, py::arg("rank"), py::arg("reason"))
+      .def("aborted",
+           [](const Communicator& c) -> py::object {
+             int32_t rank = -1;
+             std::string reason;
+             if (!c.aborted(&rank, &reason)) return py::none();
+             return py::make_tuple(rank, reason);
+           })
       .def("all_reduce",
            [](Communicator& c, uintptr_t src, uintptr_t dst, size_t count, DType dt, double divisor,
               bool blocking) {

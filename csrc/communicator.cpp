@@ -42,6 +42,22 @@ namespace hfreduce {
 // futex compares the word atomically with `seen` as a second guard. The release semantics of step 2
 // publish the data of step 1; the waiter's acquire load makes it visible.
 //
+// [Note: abort]
+// A rank whose program failed (an exception between or inside collectives) must end its peers' waits at
+// once, not when its process exits. The header holds one abort record for the host:
+//
+//   step | aborter (any local rank, any thread)        | waiter (in wait_for_peer)
+//   -----+---------------------------------------------+------------------------------------------------
+//    1   | abort_state CAS 0 -> 1 (seq_cst); lost: done | before each futex_wait and after each wake-up:
+//    2   | writes aborted_rank, abort_reason (plain)    |   abort_state.load() == 2 (seq_cst)?
+//    3   | abort_state.store(2)  (seq_cst, publishes 2) |   yes: reads aborted_rank, abort_reason; fails
+//    4   | futex_wake on every peer's seq word          |   with kAborted
+//
+// The wake of step 4 ends any futex_wait at once (the waiter then sees state 2, published before the
+// wake); a waiter between its check and its futex_wait sleeps at most its 100 ms slice. The record is never
+// cleared: the communicator is done, as after any failure. Across hosts, the Python face carries the
+// abort (lightning_haiscale/hfreduce/abort.py) and calls abort() on each host's communicators.
+//
 // [Note: agreement check]
 // Ranks that call different collectives (sizes, dtypes, ops, roots, kinds) must fail, never read each
 // other's data as if it were theirs. Each collective's first barrier carries a Fingerprint of the call
@@ -68,6 +84,9 @@ constexpr size_t kSmallChunkBytes = 32 << 10;  // below this every rank reduces 
 constexpr size_t kAlign = 64;
 constexpr size_t kBufferBlockBytes = 256 << 10;
 constexpr int kStagingSets = 3;  // see [Note: staging buffers]
+constexpr size_t kAbortReasonBytes = 512;
+constexpr int32_t kAbortWriting = 1;
+constexpr int32_t kAbortPublished = 2;
 
 struct alignas(64) PeerState {
   std::atomic<uint32_t> seq;
@@ -173,6 +192,9 @@ struct Header {
   int32_t local_size;
   uint64_t slot_bytes;
   std::atomic<int32_t> attached;
+  std::atomic<int32_t> abort_state;  // see [Note: abort]
+  int32_t aborted_rank;
+  char abort_reason[kAbortReasonBytes];
   PeerState peers[kMaxLocalRanks];
 };
 
@@ -424,11 +446,13 @@ void Communicator::wait_for_peer(int peer, uint32_t generation) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(config_.timeout_s);
   const struct timespec slice_timeout = {0, 100 * 1000 * 1000};
   for (;;) {
+    fail_if_aborted();
     state.sleepers.fetch_add(1);
     const uint32_t seen = state.seq.load();
     if (!reached(seen, generation)) futex(&state.seq, FUTEX_WAIT, seen, &slice_timeout);
     state.sleepers.fetch_sub(1);
     if (reached(state.seq.load(std::memory_order_acquire), generation)) return;
+    fail_if_aborted();
     if (!process_alive(state.pid.load())) fail_waiting(ErrorKind::kPeerDied, generation, peer);
     if (std::chrono::steady_clock::now() > deadline) fail_waiting(ErrorKind::kTimeout, generation, -1);
   }
@@ -450,6 +474,32 @@ void Communicator::fail_waiting(ErrorKind kind, uint32_t generation, int dead_pe
                             : "hfreduce: timed out after " + std::to_string(config_.timeout_s) +
                                   " s waiting for local ranks [" + list + "]";
   throw PeerFailure{kind, std::move(message), std::move(ranks)};
+}
+
+bool Communicator::abort(int32_t rank, const std::string& reason) {
+  int32_t idle = 0;
+  if (!header_->abort_state.compare_exchange_strong(idle, kAbortWriting)) return false;
+  header_->aborted_rank = rank;
+  const size_t n = std::min(reason.size(), kAbortReasonBytes - 1);
+  std::memcpy(header_->abort_reason, reason.data(), n);
+  header_->abort_reason[n] = '\0';
+  header_->abort_state.store(kAbortPublished);
+  for (int peer = 0; peer < config_.local_size; ++peer) futex(&header_->peers[peer].seq, FUTEX_WAKE, INT_MAX, nullptr);
+  return true;
+}
+
+bool Communicator::aborted(int32_t* rank, std::string* reason) const {
+  if (header_->abort_state.load() != kAbortPublished) return false;
+  *rank = header_->aborted_rank;
+  *reason = header_->abort_reason;
+  return true;
+}
+
+void Communicator::fail_if_aborted() const {
+  int32_t rank = -1;
+  std::string reason;
+  if (!aborted(&rank, &reason)) return;
+  throw PeerFailure{ErrorKind::kAborted, "hfreduce: " + reason, {rank}};
 }
 
 char* Communicator::staging(int set, int rank) const {

@@ -20,7 +20,7 @@ namespace hfreduce {
 
 // Why a collective failed; the Python face turns these into HFReduceTimeoutError, HFReducePeerError and
 // HFReduceMismatchError.
-enum class ErrorKind : int32_t { kNone = 0, kTimeout = 1, kPeerDied = 2, kOther = 3, kMismatch = 4 };
+enum class ErrorKind : int32_t { kNone = 0, kTimeout = 1, kPeerDied = 2, kOther = 3, kMismatch = 4, kAborted = 5 };
 
 // The kinds of call a rank can make. kDisagreedElsewhere is what a rank announces when its peers on other
 // hosts disagreed with it (the hierarchical path), so that its local peers fail with it.
@@ -138,6 +138,13 @@ class Communicator {
   // Finishes queued work, then stops the worker thread. Idempotent; later submissions fail.
   void stop();
 
+  // Marks the whole host's communicator failed because `rank` (a group rank, on any host) failed with
+  // `reason`: every wait of every local rank on it ends with kAborted within a futex wake-up (see [Note:
+  // abort]). The first abort wins; returns whether this one was it.
+  bool abort(int32_t rank, const std::string& reason);
+  // Whether the communicator was aborted; if so, by which group rank and why.
+  bool aborted(int32_t* rank, std::string* reason) const;
+
  private:
   struct PeerFailure;
 
@@ -154,6 +161,7 @@ class Communicator {
   void check_agreement() const;
   void wait_for_peer(int peer, uint32_t generation);
   [[noreturn]] void fail_waiting(ErrorKind kind, uint32_t generation, int dead_peer);
+  void fail_if_aborted() const;
   char* staging(int set, int rank) const;
   int next_set();
 

@@ -4,6 +4,10 @@ border] in csrc/bindings.cpp."""
 import enum
 
 def simd_level() -> str: ...
+def simd_levels() -> list[str]: ...
+def set_simd_level(name: str) -> None: ...
+
+KERNELS_ENV: str  # "HFREDUCE_KERNELS": generic, avx2, avx512 or best, read at import
 
 WORKER_THREAD_NAME: str  # the OS name of every communicator's worker thread
 
@@ -23,6 +27,7 @@ class ErrorKind(enum.Enum):
     PEER_DIED = 2
     OTHER = 3
     MISMATCH = 4
+    ABORTED = 5
 
 class Collective(enum.Enum):
     ALL_REDUCE = 1
@@ -80,6 +85,8 @@ class Communicator:
     def segment_bytes(local_size: int, slot_bytes: int) -> int: ...
     def wait_attached(self) -> None: ...
     def stop(self) -> None: ...
+    def abort(self, rank: int, reason: str) -> bool: ...
+    def aborted(self) -> tuple[int, str] | None: ...
     # blocking=True runs the collective on the calling thread (GIL released) once earlier work is done and
     # returns None if it succeeded, else its failed Work; blocking=False queues it and returns its Work.
     def all_reduce(

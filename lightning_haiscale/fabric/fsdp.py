@@ -28,6 +28,7 @@ from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_haiscale.checkpoint_files import folder_checkpoint
 from lightning_haiscale.fabric.shared import NoSyncControl, Sharded, Wrapped
 from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
@@ -217,16 +218,16 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
         optimizers = [name for name, value in state.items() if isinstance(value, Optimizer)]
         module = next(name for name, value in state.items() if value is model)
         shards = [model.sharded_optim_state_dict(state[name]) for name in optimizers]
-        save_dcp(folder, model.sharded_state_dict(), shards, model.process_group)
         rest = {
             name: value.state_dict() if hasattr(value, "state_dict") else value
             for name, value in state.items()
             if name != module and name not in optimizers
         }
-        if self.is_global_zero:
-            names = {"module": module, "optimizers": optimizers}
-            self.checkpoint_io.save_checkpoint({**rest, _NAMES: names}, folder / _META_FILE, storage_options)
-        self.barrier()
+        with folder_checkpoint(folder, publisher=self.is_global_zero, barrier=self.barrier) as staging:
+            save_dcp(staging, model.sharded_state_dict(), shards, model.process_group)
+            if self.is_global_zero:
+                names = {"module": module, "optimizers": optimizers}
+                self.checkpoint_io.save_checkpoint({**rest, _NAMES: names}, staging / _META_FILE, storage_options)
 
     @override
     def load_checkpoint(

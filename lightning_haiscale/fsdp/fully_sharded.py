@@ -1,4 +1,5 @@
-"""``FullyShardedDataParallel``: ZeRO-3 sharding of a module over the hfreduce engine.
+"""``FullyShardedDataParallel``: ZeRO-3 sharding of a module over the hfreduce engine (ZeRO-2, replicated and
+hybrid sharding are the same machine with other groups, see sharding [Note: one machine for every strategy]).
 
 [Note: schedule]
 Forward: a unit's pre-forward hook waits for (or starts) its all-gather, starts the next unit's
@@ -72,7 +73,9 @@ __all__ = ["FullyShardedDataParallel"]
 
 
 class FullyShardedDataParallel(nn.Module):
-    """Shards ``module``'s parameters, gradients and optimizer state over the ranks of ``process_group``.
+    """Shards ``module``'s parameters, gradients and optimizer state over the ranks of ``process_group`` (or,
+    per ``sharding_strategy``, over each host or a mesh dimension, replicated across the others: see sharding
+    [Note: one machine for every strategy]).
 
     Build the optimizer after wrapping, from ``model.parameters()``: it sees only this rank's pieces.
 
@@ -121,8 +124,9 @@ class FullyShardedDataParallel(nn.Module):
             torch FSDP's, with the meanings of options [Note: torch's keywords, honoured].
         param_init_fn: ``fn(module)`` initializing a module's meta-device parameters in place;
             default ``module.reset_parameters()``.
-        communicator: an existing engine over the shard group to share (``FULL_SHARD`` and ``SHARD_GRAD_OP``
-            only; :meth:`close` stops it).
+        communicator: an existing engine over the model's ranks to use (its group replaces ``process_group``;
+            :meth:`close` stops it); hybrid sharding builds its two engines over that group instead, with its
+            timeout, and stops it.
         arrival_timeout: how long a collective call (``state_dict()`` outside ``summon_full_params``,
             ``summon_full_params()``) waits for every rank to make it before raising
             :class:`~lightning_haiscale.fsdp.arrival.CollectiveMisuseError` (see [Note: why an arrival check]).
@@ -206,16 +210,22 @@ class FullyShardedDataParallel(nn.Module):
     def _communicators(
         self, process_group: Any, device_mesh: Any, communicator: Communicator | None
     ) -> tuple[Communicator, Communicator | None, dist.ProcessGroup]:
-        """The engines over the shard and replicate groups, and the group of every rank of the model."""
+        """The engines over the shard and replicate groups, and the group of every rank of the model. A given
+        ``communicator`` over the whole group is the shard engine (FULL_SHARD, SHARD_GRAD_OP) or the replicate
+        one (NO_SHARD); hybrid sharding needs two others over its group (with its timeout) and stops it."""
+        strategy = self.sharding_strategy
+        timeout = communicator.timeout if communicator is not None else timedelta(minutes=5)
         if communicator is not None:
-            if self.sharding_strategy.hybrid or self.sharding_strategy is ShardingStrategy.NO_SHARD:
-                raise ValueError(
-                    f"communicator= shares one engine, but sharding_strategy={self.sharding_strategy.value} needs two "
-                    "groups; leave communicator out (or use FULL_SHARD or SHARD_GRAD_OP)"
-                )
-            return communicator, None, communicator.group
-        shard, replicate, whole = strategy_groups(self.sharding_strategy, process_group, device_mesh)
-        return Communicator(shard), Communicator(replicate) if replicate is not None else None, whole
+            if not strategy.hybrid and strategy is not ShardingStrategy.NO_SHARD:
+                return communicator, None, communicator.group
+            process_group = communicator.group
+        shard, replicate, whole = strategy_groups(strategy, process_group, device_mesh)
+        if communicator is not None and strategy is ShardingStrategy.NO_SHARD:
+            return Communicator(shard, timeout=timeout), communicator if replicate is not None else None, whole
+        if communicator is not None:
+            communicator.close()
+        replicate_comm = Communicator(replicate, timeout=timeout) if replicate is not None else None
+        return Communicator(shard, timeout=timeout), replicate_comm, whole
 
     def _build_groups(
         self, units: list[nn.Module], param_init_fn: Callable[[nn.Module], None] | None, sync: bool

@@ -29,6 +29,17 @@ class HFReducePeerError(HFReduceError):
         self.dead_ranks = dead_ranks
 
 
+class HFReduceAbortedError(HFReducePeerError):
+    """A rank of the job failed (raised an exception) and aborted every collective waiting on it.
+
+    The message names the rank, its pid, its exception type and the exception's first line. The cause is that
+    rank's own error, in its log; this one is the consequence.
+
+    Attributes:
+        dead_ranks: the global rank that failed (the name is :class:`HFReducePeerError`'s).
+    """
+
+
 class HFReduceMismatchError(HFReduceError):
     """Ranks called different collectives (kind, element count, dtype, op or root) at the same point.
 

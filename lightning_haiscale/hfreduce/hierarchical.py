@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -11,11 +12,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_haiscale.hfreduce._native import load_engine
+from lightning_haiscale.hfreduce.abort import watch_other_hosts
 from lightning_haiscale.hfreduce.backend import Backend
 from lightning_haiscale.hfreduce.dtypes import engine_dtype
-from lightning_haiscale.hfreduce.errors import HFReduceError, HFReduceMismatchError
+from lightning_haiscale.hfreduce.errors import HFReduceAbortedError, HFReduceError, HFReduceMismatchError
 from lightning_haiscale.hfreduce.fallback import all_gather_tensor, global_rank, reduce_scatter_tensor
 from lightning_haiscale.hfreduce.shm import ShmBackend
+
+_CROSS_POLL_S = 0.0002  # how often a wait on another host checks for an abort (gloo takes >= 1 ms here)
 
 
 class HierarchicalBackend(Backend):
@@ -32,6 +36,7 @@ class HierarchicalBackend(Backend):
         self._world_size = len(self.topology.peers)
         self._cross_group, self._cross_order = self._make_cross_groups()
         self._disagreed: str | None = None  # set when hosts called different collectives
+        watch_other_hosts()
 
     def _make_cross_groups(self) -> tuple[dist.ProcessGroup | None, list[int]]:
         """The group of this rank's local index on every host, and the (local index, host) order of ranks."""
@@ -57,7 +62,7 @@ class HierarchicalBackend(Backend):
             padded = flat if per_rank * local == n else torch.cat([flat, flat.new_zeros(per_rank * local - n)])
             piece = flat.new_empty(per_rank)
             self._host.reduce_scatter(piece, padded, 1.0)
-            dist.all_reduce(piece, group=self._cross_group)
+            self._across(dist.all_reduce(piece, group=self._cross_group, async_op=True))
             self._host.all_gather(padded, piece)
             if padded is not flat:
                 flat.copy_(padded[:n])
@@ -72,7 +77,7 @@ class HierarchicalBackend(Backend):
             by_local = input.view(self._world_size, n).index_select(0, order).contiguous()
             host_pieces = output.new_empty(self.topology.num_hosts * n)
             self._host.reduce_scatter(host_pieces, by_local, 1.0)
-            reduce_scatter_tensor(output, host_pieces, group=self._cross_group)
+            self._across(reduce_scatter_tensor(output, host_pieces, group=self._cross_group, async_op=True))
         if divisor != 1.0:
             output.div_(divisor)
 
@@ -81,7 +86,7 @@ class HierarchicalBackend(Backend):
         self._agree_across_hosts(_fingerprint(load_engine().Collective.ALL_GATHER, input, n))
         if n > 0:
             across = input.new_empty(self.topology.num_hosts * n)
-            all_gather_tensor(across, input.contiguous(), group=self._cross_group)
+            self._across(all_gather_tensor(across, input.contiguous(), group=self._cross_group, async_op=True))
             by_local = input.new_empty(self._world_size * n)
             self._host.all_gather(by_local, across)
             output.view(self._world_size, n).index_copy_(0, torch.tensor(self._cross_order), by_local.view(-1, n))
@@ -91,13 +96,26 @@ class HierarchicalBackend(Backend):
         src_host = next(h for h, ranks in enumerate(self.topology.hosts) if src in ranks)
         root = self.topology.hosts[src_host].index(src)
         if self.topology.local_rank == root:
-            dist.broadcast(tensor, src=global_rank(self._group, src), group=self._cross_group)
+            source = global_rank(self._group, src)
+            self._across(dist.broadcast(tensor, src=source, group=self._cross_group, async_op=True))
         self._host.broadcast_local(tensor, root)
 
     def barrier(self) -> None:
         # the exchange of fingerprints is the barrier across hosts
         engine = load_engine()
         self._agree_across_hosts(engine.Fingerprint(engine.Collective.BARRIER, engine.DType.FLOAT32, 0))
+
+    def _across(self, work: Any) -> None:
+        """Waits for a cross-host transfer, ending early with :class:`HFReduceAbortedError` when this host's
+        engine is aborted: the peer this rank waits for on another host may be the rank that failed (see
+        [Note: aborting a job] in abort.py)."""
+        while not work.is_completed():
+            aborted = self._host.aborted()
+            if aborted is not None:
+                rank, reason = aborted
+                raise HFReduceAbortedError(f"hfreduce: {reason} (this is group rank {self.rank})", [rank])
+            time.sleep(_CROSS_POLL_S)
+        work.wait()
 
     def alloc_buffer(self, numel: int, dtype: torch.dtype, barrier: Callable[[], None]) -> torch.Tensor:
         return self._host.alloc_buffer(numel, dtype, barrier)
@@ -123,7 +141,7 @@ class HierarchicalBackend(Backend):
         fields = (int(call.collective), int(call.dtype), call.count, call.arg, int(call.divisor))
         mine = torch.tensor(fields, dtype=torch.int64)
         every = mine.new_empty(self.topology.num_hosts * len(fields))
-        all_gather_tensor(every, mine, group=self._cross_group)
+        self._across(all_gather_tensor(every, mine, group=self._cross_group, async_op=True))
         peers = self.topology.cross_host_ranks(self.topology.local_rank)
         rows = dict(zip(peers, (tuple(r) for r in every.view(self.topology.num_hosts, -1).tolist()), strict=True))
         if all(r == fields for r in rows.values()):

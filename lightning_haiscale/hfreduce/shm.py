@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_haiscale.hfreduce._native import load_engine
+from lightning_haiscale.hfreduce.abort import register_engine
 from lightning_haiscale.hfreduce.backend import Backend
 from lightning_haiscale.hfreduce.dtypes import engine_dtype
 from lightning_haiscale.hfreduce.errors import (
+    HFReduceAbortedError,
     HFReduceError,
     HFReduceMismatchError,
     HFReducePeerError,
@@ -99,7 +101,9 @@ class ShmBackend(Backend):
         if native is None:
             return None
         native.wait_attached()
-        return cls(native, topology, rank, group, allow_fallback)
+        backend = cls(native, topology, rank, group, allow_fallback)
+        register_engine(backend)
+        return backend
 
     # --------------------------------------------------------------------------------- collectives
 
@@ -168,6 +172,9 @@ class ShmBackend(Backend):
         if not native.failed():
             return
         kind = native.error_kind()
+        if kind == load_engine().ErrorKind.ABORTED:  # its rank is a global rank, of any host
+            message = f"{native.error_message()} (this is group rank {self.rank})"
+            raise HFReduceAbortedError(message, native.error_ranks())
         topology = self.topology
         ranks = [topology.local_ranks[r] for r in native.error_ranks()]
         if kind == load_engine().ErrorKind.MISMATCH:
@@ -179,6 +186,14 @@ class ShmBackend(Backend):
         if error is None:
             raise HFReduceError(message)
         raise error(message, ranks)
+
+    def abort(self, rank: int, reason: str) -> None:
+        """Ends every local rank's waits on this engine: ``rank`` (global) failed (see ``abort.py``)."""
+        self.native.abort(rank, reason)
+
+    def aborted(self) -> tuple[int, str] | None:
+        """``(global rank, reason)`` once this host's engine was aborted, else None."""
+        return self.native.aborted()
 
     def close(self) -> None:
         self.native.stop()

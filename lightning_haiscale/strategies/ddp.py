@@ -8,6 +8,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
@@ -15,9 +16,9 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
-from lightning_haiscale.hfreduce import Communicator
+from lightning_haiscale.hfreduce import Communicator, abort_job
 from lightning_haiscale.strategies.arguments import check_bool, check_choice, check_number, check_timeout, strategy_repr
-from lightning_haiscale.strategies.parallel import register_once
+from lightning_haiscale.strategies.parallel import init_dist_connection, register_once
 
 __all__ = ["HaiDDPStrategy", "hai_ddp_options", "wrap_hai_ddp"]
 
@@ -101,6 +102,17 @@ class HaiDDPStrategy(DDPStrategy):
         return wrap_hai_ddp(model, self.determine_ddp_device_ids(), self._timeout, self._hai_kwargs)
 
     @override
+    def setup_distributed(self) -> None:
+        """As ``DDPStrategy``'s, on a store that survives torchrun's restarts (see :func:`.init_dist_connection`)."""
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        environment = self.cluster_environment
+        if environment is None:
+            raise RuntimeError("HaiDDPStrategy needs a cluster environment; the Trainer sets it")
+        init_dist_connection(environment, self._process_group_backend, self._timeout, self.root_device)
+
+    @override
     def configure_ddp(self) -> None:
         """Wraps the module. Lightning's version then registers torch DDP's communication hooks, asserting
         on CUDA that the model is torch's ``DistributedDataParallel``: hai_ddp refuses those hooks at
@@ -127,7 +139,9 @@ class HaiDDPStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Adds Lightning's hint for unused parameters to the engine's error (which names them)."""
+        """Ends every rank's waits on this job's engines at once, naming this rank (see ``hfreduce.abort``); adds
+        Lightning's hint for unused parameters to the engine's error (which names them)."""
+        abort_job(exception)
         message = exception.args[0] if exception.args else None
         if isinstance(message, str) and _UNUSED_PARAMETERS in message:
             exception.args = (f"{message}\n{_LIGHTNING_UNUSED_HINT}", *exception.args[1:])

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from typing_extensions import override
 
+from lightning_haiscale.checkpoint_files import folder_checkpoint
 from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
@@ -227,14 +228,11 @@ class HaiFSDPStrategy(HaiParallelStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero and path.is_file():
-            path.unlink()
-        self.barrier()
         model_shard, optim_shards = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
-        save_dcp(path, model_shard, optim_shards, self._wrapper().process_group)  # creates the folder
-        if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, path / _META_FILE, storage_options=storage_options)
-        self.barrier()
+        with folder_checkpoint(path, publisher=self.is_global_zero, barrier=self.barrier) as staging:
+            save_dcp(staging, model_shard, optim_shards, self._wrapper().process_group)  # creates the folder
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint, staging / _META_FILE, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -44,9 +44,11 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
+from lightning_haiscale.hfreduce import abort_job
+from lightning_haiscale.restart_store import restart_safe_store
 from lightning_haiscale.strategies.arguments import check_timeout
 
-__all__ = ["HaiParallelStrategy", "agree_on_inf", "no_sync_of", "register_once"]
+__all__ = ["HaiParallelStrategy", "agree_on_inf", "init_dist_connection", "no_sync_of", "register_once"]
 
 
 class HaiParallelStrategy(ParallelStrategy):
@@ -122,9 +124,7 @@ class HaiParallelStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        device_id = self.root_device if self.root_device.type != "cpu" else None  # eager NCCL init, as "ddp"
-        backend, timeout = self.process_group_backend, self._timeout
-        _init_dist_connection(self._environment(), backend, timeout=timeout, device_id=device_id)
+        init_dist_connection(self._environment(), self.process_group_backend, self._timeout, self.root_device)
 
     def set_world_ranks(self) -> None:
         environment = self._environment()
@@ -179,6 +179,11 @@ class HaiParallelStrategy(ParallelStrategy):
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Ends every rank's waits on this job's engines at once, naming this rank (see ``hfreduce.abort``)."""
+        abort_job(exception)
+
+    @override
     def barrier(self, name: str | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             return
@@ -203,6 +208,19 @@ class HaiParallelStrategy(ParallelStrategy):
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+def init_dist_connection(
+    environment: ClusterEnvironment, backend: str, timeout: timedelta | None, root_device: torch.device
+) -> None:
+    """Lightning's ``_init_dist_connection`` (as ``"ddp"`` calls it), on a store that survives torchrun's
+    restarts: under torchrun's shared store, a generation's own (see :mod:`lightning_haiscale.restart_store`)."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    store = restart_safe_store(environment.global_rank(), environment.world_size(), timeout or default_pg_timeout)
+    kwargs: dict[str, Any] = {} if store is None else {"store": store}
+    device_id = root_device if root_device.type != "cpu" else None  # eager NCCL init, as "ddp"
+    _init_dist_connection(environment, backend, timeout=timeout, device_id=device_id, **kwargs)
 
 
 def no_sync_of(module: Any) -> AbstractContextManager[None]:

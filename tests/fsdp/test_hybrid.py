@@ -6,6 +6,7 @@ counted); checkpoints move bit for bit between HYBRID_SHARD, FULL_SHARD and anot
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import lightning_haiscale.hfreduce.hierarchical as hierarchical
 from lightning_haiscale.fsdp import FullyShardedDataParallel, hybrid_groups
 from lightning_haiscale.fsdp.dcp import load_dcp, save_dcp
+from lightning_haiscale.hfreduce import Communicator
 from tests.distributed import run_distributed
 from tests.fsdp.models import CASES, sgd_reference, token_batches
 from tests.fsdp.test_sharding import LR, STEPS, train, wrap
@@ -173,6 +175,7 @@ def _resume(rank: int, world: int, folder: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_hybrid_full_shard_and_mesh_shapes(tmp_path: Path) -> None:
     results = run_distributed(_resume, 4, str(tmp_path), node_ids=HOSTS, timeout=600)
     for r in results:
@@ -183,18 +186,26 @@ BAD = [
     ({"sharding_strategy": "FULL_SHARD", "device_mesh": (1, 2)}, ValueError, "describes hybrid sharding.*HYBRID_SHARD"),
     ({"sharding_strategy": "HYBRID_SHARD", "device_mesh": (3, 2)}, ValueError, r"covers 6 ranks but the group has 2"),
     ({"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2,)}, TypeError, r"\(replicate, shard\) tuple"),
-    ({"sharding_strategy": "NO_SHARD", "communicator": "engine"}, ValueError, "needs two groups"),
 ]
 
 
-def _bad(rank: int, world: int) -> bool:
+def _bad(rank: int, world: int) -> dict:
     for kwargs, error, match in BAD:
-        if kwargs.get("communicator") == "engine":
-            kwargs = {**kwargs, "communicator": wrap("example").comm}
         with pytest.raises(error, match=match):
             wrap("example", **kwargs)
-    return True
+    # an engine passed in (as the strategies pass theirs) serves every strategy
+    sizes = {}
+    for strategy in ("FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"):
+        engine = Communicator(timeout=timedelta(seconds=7))
+        model = wrap("example", sharding_strategy=strategy, device_mesh=(2, 1) if "HYBRID" in strategy else None,
+                     communicator=engine)  # fmt: skip
+        replicate = model.replicate_comm
+        sizes[strategy] = (model.comm.world_size, replicate.world_size if replicate else None, model.comm.timeout)
+        model.close()
+    return sizes
 
 
-def test_bad_meshes_name_the_fix() -> None:
-    assert all(run_distributed(_bad, 2))
+def test_bad_meshes_name_the_fix_and_a_given_engine_serves_every_strategy() -> None:
+    seven = timedelta(seconds=7)
+    for sizes in run_distributed(_bad, 2):
+        assert sizes == {"FULL_SHARD": (2, None, seven), "NO_SHARD": (1, 2, seven), "HYBRID_SHARD": (1, 2, seven)}

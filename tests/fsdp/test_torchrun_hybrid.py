@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
@@ -18,6 +19,7 @@ from tests.fsdp.test_sharding import LR, STEPS
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_hybrid_shard_under_torchrun_on_two_nodes(tmp_path: Path) -> None:
     port = str(find_free_network_port())
     out = tmp_path / "result.pt"

@@ -1,0 +1,92 @@
+"""One failing rank ends every rank's collectives at once, with an error that names it.
+
+[Note: aborting a job] Without this, a rank that raises (between collectives or inside one) leaves its
+peers waiting in the engine until its process has exited (the engine then sees a dead pid), about 1-4 s
+under Lightning, or until their timeout if the process lingers. :func:`abort_job`, called on the failing
+rank (the strategies' ``on_exception``), writes the abort record of every engine of this process (see
+[Note: abort] in csrc/communicator.cpp): every local peer's wait ends at once with
+:class:`HFReduceAbortedError` naming the rank and its exception. Other hosts learn it through the process
+group's store: a job of several hosts runs one watcher thread per process that polls the store's key and,
+when it appears, aborts its own host's engines in turn; a rank blocked in a cross-host transfer
+(gloo) checks its host's record while it waits (see ``hierarchical.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+__all__ = ["abort_job", "register_engine", "watch_other_hosts"]
+
+log = logging.getLogger(__name__)
+
+_KEY = "lightning_haiscale/hfreduce/abort"  # in the default group's store: "<rank>\n<reason>"
+_POLL_S = 0.05
+_REASON_CHARS = 300
+
+
+class _Abortable(Protocol):
+    def abort(self, rank: int, reason: str) -> None: ...
+
+
+_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's live host engines (ShmBackend)
+_watcher: threading.Thread | None = None
+
+
+def register_engine(engine: _Abortable) -> None:
+    """Makes ``engine`` one that :func:`abort_job` (and an abort from another host) aborts."""
+    _ENGINES.add(engine)
+
+
+def abort_job(exception: BaseException) -> None:
+    """Called on the rank that failed with ``exception``: every collective waiting on this job, on any rank,
+    ends with :class:`HFReduceAbortedError` naming this rank (see [Note: aborting a job])."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    text = str(exception).splitlines()[0][:_REASON_CHARS] if str(exception) else ""
+    reason = f"rank {rank} (pid {os.getpid()}) failed with {type(exception).__name__}: {text}"
+    _abort_here(rank, reason)
+    if _watcher is not None:
+        try:
+            _store().set(_KEY, f"{rank}\n{reason}")
+        except RuntimeError as error:  # the store's host is gone too: its ranks already fail on their own
+            log.debug("could not post the abort to the other hosts: %s", error)
+
+
+def watch_other_hosts() -> None:
+    """Starts this process's watcher of aborts posted by ranks on other hosts (once; a daemon thread)."""
+    global _watcher
+    if _watcher is None:
+        _watcher = threading.Thread(target=_watch, name="hfreduce-abort", daemon=True)
+        _watcher.start()
+
+
+def _abort_here(rank: int, reason: str) -> None:
+    for engine in list(_ENGINES):
+        engine.abort(rank, reason)
+
+
+def _watch() -> None:
+    """Polls the default group's store until an abort is posted or the store is gone (the job ended), then
+    leaves, so that a later job of this process starts a watcher of its own."""
+    global _watcher
+    pause = threading.Event()
+    try:
+        while not pause.wait(_POLL_S):
+            if dist.is_initialized() and _store().check([_KEY]):
+                rank, reason = _store().get(_KEY).decode().split("\n", 1)
+                _abort_here(int(rank), reason)
+                return
+    except RuntimeError as error:  # the store's host is gone: that job is over
+        log.debug("stopped watching for aborts: %s", error)
+    finally:
+        _watcher = None
+
+
+def _store() -> Any:
+    """The default process group's store (torch has no public getter; this is the one private call)."""
+    return dist.distributed_c10d._get_default_store()
