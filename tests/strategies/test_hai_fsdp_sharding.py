@@ -219,6 +219,10 @@ def _all_cases(rank: int, world: int, selected: list[Case]) -> None:
         dist.barrier()
 
 
-@pytest.mark.parametrize(("world", "hosts"), [(2, None), (4, ["a", "a", "b", "b"])], ids=["2 ranks", "2 hosts x 2"])
+@pytest.mark.parametrize(
+    ("world", "hosts"),
+    [(2, None), pytest.param(4, ["a", "a", "b", "b"], marks=pytest.mark.slow)],  # 45-97 s on 2 loaded cores
+    ids=["2 ranks", "2 hosts x 2"],
+)
 def test_sharding_and_checkpointing_match_one_process(world: int, hosts: list[str] | None) -> None:
     run_distributed(_all_cases, world, cases(world), node_ids=hosts, timeout=600)
