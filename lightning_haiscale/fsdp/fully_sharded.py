@@ -333,6 +333,7 @@ class FullyShardedDataParallel(nn.Module):
             self._recording.append(group)
         group.unshard()
         group.wait_unshard()
+        group.use_unsharded_views()  # a checkpointed submodule of the unit, recomputed in backward, reads them
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             _prefetch_after(self._backward_order, group)
 

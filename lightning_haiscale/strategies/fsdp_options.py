@@ -6,8 +6,8 @@ built, with the reason and the fix, never dropped.
 
 [Note: what each FSDPStrategy keyword becomes]
 - ``sharding_strategy``: ``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``
-  (strings in any case, or torch's ``ShardingStrategy``). ``FULL_SHARD`` and ``SHARD_GRAD_OP`` run on one engine
-  the strategy builds with its ``timeout``; the others on the wrapper's engines over their groups.
+  (strings in any case, or torch's ``ShardingStrategy``). The strategy hands the wrapper an engine with its
+  ``timeout``; the wrapper's engines over a strategy's groups take that deadline.
 - ``device_mesh``: hybrid only, ``(replicate, shard)`` or a 2-D ``DeviceMesh``; without it, shard within each host
   and replicate across hosts.
 - ``activation_checkpointing_policy`` (or the deprecated ``activation_checkpointing``): torch's
@@ -48,9 +48,6 @@ __all__ = ["SHARDING_STRATEGIES", "HaiFSDPOptions", "hai_fsdp_options", "wrap_ha
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 """The ``sharding_strategy`` values ``hai_fsdp`` runs."""
-
-_ONE_ENGINE = ("FULL_SHARD", "SHARD_GRAD_OP")
-"""Strategies that run on one engine over every rank, which the strategy builds with its ``timeout``."""
 
 _PASSED = ("limit_all_gathers", "forward_prefetch", "use_orig_params", "sync_module_states", "ignored_modules")
 """torch FSDP keywords (Lightning's ``**kwargs``) that the wrapper takes as they are."""
@@ -246,8 +243,7 @@ def wrap_hai_fsdp(
     """Applies activation checkpointing, then shards ``module``; ``timeout`` is the engine's deadline.
 
     Without a ``mixed_precision`` of the user's, bf16-mixed gathers and reduces in bf16 (half the traffic) while
-    autocast still runs the ops. ``FULL_SHARD`` and ``SHARD_GRAD_OP`` run on one engine the strategy builds with
-    its ``timeout``; ``NO_SHARD`` and the hybrid strategies on the wrapper's own engines over their groups.
+    autocast still runs the ops.
     """
     mixed = options.mixed_precision
     if mixed is None and precision == "bf16-mixed":
@@ -255,8 +251,7 @@ def wrap_hai_fsdp(
     if options.activation_checkpointing is not None:
         apply_activation_checkpointing(module, options.activation_checkpointing)
     extra: dict[str, Any] = {"sharding_strategy": options.sharding_strategy}
-    if options.sharding_strategy in _ONE_ENGINE:
-        extra["communicator"] = Communicator(timeout=timeout)
+    extra["communicator"] = Communicator(timeout=timeout)  # every strategy's engines take its deadline
     if options.cpu_offload:
         if device.type == "cpu":
             rank_zero_warn("HaiFSDPStrategy(cpu_offload=True) has no effect on CPU: the shards are in host memory")

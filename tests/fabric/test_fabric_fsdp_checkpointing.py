@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -121,5 +122,6 @@ def _checkpointed(rank: int, world: int, tmp: str) -> None:
             dist.barrier()
 
 
+@pytest.mark.slow  # 42-89 s on 2 loaded cores
 def test_checkpointed_litgpt_saves_every_key_and_resumes_across_modes(tmp_path: Path) -> None:
     run_distributed(_checkpointed, 2 * HOSTS, str(tmp_path), node_ids=["a", "a", "b", "b"], timeout=400)

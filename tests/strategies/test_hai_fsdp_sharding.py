@@ -8,7 +8,8 @@ The 9 (sharding, checkpointing) cases run in one spawn per world size; the model
 so each model meets every sharding strategy and every checkpointing mode at each world size. The 4 ranks are 2
 simulated hosts x 2 (``HFREDUCE_NODE_ID``: the engine's path across hosts), where ``HYBRID_SHARD`` and
 ``_HYBRID_SHARD_ZERO2`` (shard within a host, replicate across) and ``HYBRID_SHARD`` over a ``(2, 2)`` mesh also
-run, each with one checkpointing mode and model.
+run, each with one checkpointing mode and model; on 2 ranks, checkpointing by keyword of the ``nn.Linear`` modules
+inside the block units (recomputed inside a unit's backward).
 Each case: 2 SGD steps in float64 (``precision="64-true"``), every rank on its own rows
 (``use_distributed_sampler=False``); the one process takes every rank's rows at once. The full checkpoint must
 hold exactly the plain model's keys. Tolerance: relative 1e-9 (float64 rounding is ~1e-16 per operation; the
@@ -171,7 +172,11 @@ def cases(world: int) -> list[Case]:
     names = list(MODELS)
     grid = itertools.product(enumerate(SHARDINGS), enumerate(CHECKPOINTING))
     chosen: list[Case] = [(s, c, names[(i + j + world) % len(names)], None) for (i, s), (j, c) in grid]
-    return chosen + (HYBRID if world == 4 else [])
+    return chosen + (HYBRID if world == 4 else [NESTED])
+
+
+NESTED: Case = ("FULL_SHARD", "nested", "litgpt_style", None)
+"""Checkpointing ``nn.Linear`` modules inside the block units: recomputed in the unit's backward, not as a unit."""
 
 
 HYBRID: list[Case] = [
@@ -183,7 +188,8 @@ HYBRID: list[Case] = [
 
 def _run_case(rank: int, world: int, sharding: str, checkpointing: str, name: str, mesh: Any) -> None:
     block = MODELS[name][1]
-    ac = {"activation_checkpointing_policy": {block}} if checkpointing == "keyword" else {}
+    policy = {"keyword": {block}, "nested": {nn.Linear}}.get(checkpointing)
+    ac = {"activation_checkpointing_policy": policy} if policy else {}
     strategy = HaiFSDPStrategy(
         auto_wrap_policy={block}, param_init_fn=deterministic_init, sharding_strategy=sharding, device_mesh=mesh, **ac
     )
@@ -213,6 +219,10 @@ def _all_cases(rank: int, world: int, selected: list[Case]) -> None:
         dist.barrier()
 
 
-@pytest.mark.parametrize(("world", "hosts"), [(2, None), (4, ["a", "a", "b", "b"])], ids=["2 ranks", "2 hosts x 2"])
+@pytest.mark.parametrize(
+    ("world", "hosts"),
+    [(2, None), pytest.param(4, ["a", "a", "b", "b"], marks=pytest.mark.slow)],  # 45-97 s on 2 loaded cores
+    ids=["2 ranks", "2 hosts x 2"],
+)
 def test_sharding_and_checkpointing_match_one_process(world: int, hosts: list[str] | None) -> None:
     run_distributed(_all_cases, world, cases(world), node_ids=hosts, timeout=600)

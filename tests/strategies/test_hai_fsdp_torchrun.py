@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
@@ -18,6 +19,7 @@ from tests.strategies.test_hai_fsdp_sharding import _reference, _tokens
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # about 60 s on 2 loaded cores
 def test_trainer_hybrid_shard_under_torchrun_on_two_nodes(tmp_path: Path) -> None:
     port, out = str(find_free_network_port()), tmp_path / "result.pt"
     launches, logs = [], [tmp_path / f"node{node}.log" for node in (0, 1)]
