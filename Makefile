@@ -9,7 +9,7 @@ TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.installed
 NATIVE := $(wildcard csrc/*.cpp csrc/*.h)
 
-.PHONY: install demo test test-min bench lint check-sdist clean
+.PHONY: install demo test test-portable test-min bench lint check-sdist clean
 
 install: $(STAMP)
 
@@ -27,6 +27,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+# The engine's portable reduce kernels forced (HFREDUCE_KERNELS, see README "Troubleshooting") on the tests that
+# run the engine: what a CPU without AVX2 computes. `HFREDUCE_KERNELS=generic make test` runs the whole suite so.
+PORTABLE_TESTS ?= tests/hfreduce tests/ddp tests/fsdp tests/test_parity_mutations.py
+test-portable: $(STAMP)
+	HFREDUCE_KERNELS=generic OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PORTABLE_TESTS)
 
 # The lowest supported versions (pyproject's floors) on the lowest supported Python: a smoke subset. The
 # first run downloads torch 2.6.0's CUDA build (about 3 GB; PyPI has no CPU build of it for Linux x86-64).

@@ -6,7 +6,8 @@ Two processes share the one GPU (gloo process group; the engine does the reducti
 CUDA all-reduce (one host, and two simulated hosts: the hierarchical path); plain hai_ddp and PipeDream
 parity; a Lightning Trainer fit of every strategy on 1 and 2 processes (DP x PP on 4) in 32-true, 16-mixed
 and bf16-mixed, with the pipelines' evaluation, Interleaved1F1B, GPipe with checkpointing, no_sync and
-find_unused_parameters (``benchmarks/gpu_fit.py``); a stream-race mode (GPU sleeps before collectives and
+find_unused_parameters (``benchmarks/gpu_fit.py``); hai_fsdp's sharding strategies, ``cpu_offload`` and activation
+checkpointing under bf16-mixed; a stream-race mode (GPU sleeps before collectives and
 in a backward hook, a step on a non-default stream); the suite's ``pytest -m gpu`` tests; the offload
 benchmark. Prints one table and exits non-zero on any mismatch. Without a GPU it says so and exits 0. The
 parity checks take a device, so the test suite runs them on CPU too (the script's own logic is tested where
@@ -26,12 +27,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from benchmarks import gpu_fit
 from lightning_haiscale.hfreduce import Communicator
+from lightning_haiscale.strategies import HaiFSDPStrategy
 from lightning_haiscale.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,6 +225,78 @@ def check_pipeline(device: str = "cuda") -> list[Row]:
     return [Row(check, error < 1e-4, f"max rel err {error:.1e}")]
 
 
+@dataclass(frozen=True)
+class FSDPModeCase(gpu_fit.Case):
+    """A Trainer fit of hai_fsdp with some of Lightning's ``FSDPStrategy`` keywords (``options``)."""
+
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def strategy(self, device: str) -> Any:
+        devices = [torch.device(device, 0) if device == "cuda" else torch.device("cpu")] * self.world
+        units = {"auto_wrap_policy": {nn.Sequential}}  # each Linear + Tanh pair is a unit
+        return HaiFSDPStrategy(parallel_devices=devices, process_group_backend="gloo", **units, **dict(self.options))
+
+    @property
+    def label(self) -> str:
+        options = ", ".join(f"{k}={v.__name__ if callable(v) else repr(v)}" for k, v in self.options)
+        return f"hai_fsdp({options}) on {self.world} processes"
+
+
+def _pairs(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    """The classifier's (Linear, Tanh) pairs, each a unit: checkpointed as Lightning's guide advises (the same
+    modules as the wrap policy's units)."""
+    return recurse or (isinstance(module, nn.Sequential) and isinstance(module[-1], nn.Tanh))
+
+
+def fsdp_mode_cases(world: int = 2, device: str = "cuda") -> list[FSDPModeCase]:
+    """Each sharding strategy (hybrid as 2 replicas of 1 shard, so the replicate engine runs), activation
+    checkpointing, and on CPU ``cpu_offload`` (no effect there; on CUDA see :func:`check_fsdp_modes`)."""
+    options: list[tuple[tuple[str, Any], ...]] = [
+        (("sharding_strategy", "FULL_SHARD"),),
+        (("sharding_strategy", "SHARD_GRAD_OP"),),
+        (("sharding_strategy", "NO_SHARD"),),
+        (("sharding_strategy", "HYBRID_SHARD"), ("device_mesh", (world, 1))),
+        (("activation_checkpointing_policy", _pairs),),
+    ]
+    if device == "cpu":
+        options.append((("cpu_offload", True),))
+    return [FSDPModeCase("hai_fsdp", world, dp=world, options=o) for o in options]
+
+
+def _fsdp_modes_worker(rank: int, world: int, device: str, precision: str) -> list[tuple[str, float]]:
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    return [(case.label, gpu_fit.fit_error(case, precision, device)) for case in fsdp_mode_cases(world, device)]
+
+
+def _cpu_offload_worker(rank: int, world: int) -> str:
+    """``cpu_offload=True`` on CUDA: the wrapper refuses it (not built) when the Trainer sets the model up."""
+    torch.cuda.set_device(0)
+    case = FSDPModeCase("hai_fsdp", world, dp=world, options=(("cpu_offload", True),))
+    try:
+        gpu_fit.fit_error(case, "bf16-mixed", "cuda")
+    except NotImplementedError as error:
+        return f"refused: {str(error)[:100]}"
+    return "trained"
+
+
+def check_fsdp_modes(device: str = "cuda", precision: str = "bf16-mixed") -> list[Row]:
+    """hai_fsdp's sharding strategies and activation checkpointing (and ``cpu_offload`` on CPU): Trainer fits on 2
+    processes sharing the GPU, each against one fp32 process (``gpu_fit``'s tolerance for ``precision``). On CUDA,
+    ``cpu_offload=True`` must be refused with its reason until it is built, never run on the device silently."""
+    results = run_distributed(_fsdp_modes_worker, 2, device, precision, timeout=420)[0]
+    rows = [
+        Row(f"Trainer fit {label}, {precision} on {device}", ok, f"max rel err {error:.1e}")
+        for label, error in results
+        for ok in [error < gpu_fit.TOLERANCE[precision]]
+    ]
+    if device == "cuda":
+        outcome = run_distributed(_cpu_offload_worker, 2, timeout=300)[0]
+        refused = outcome.startswith("refused")
+        rows.append(Row("hai_fsdp(cpu_offload=True) on cuda: refused until built", refused, outcome))
+    return rows
+
+
 def check_gpu_tests() -> list[Row]:
     """The test suite's GPU-only tests (hai_fsdp CUDA parity, offload's CUDA paths)."""
     proc = subprocess.run(
@@ -260,6 +336,7 @@ CHECKS: dict[str, Callable[[], list[Row]]] = {
     "pipeline": check_pipeline,
     "hierarchical": check_hierarchical,
     "fit": check_fit,
+    "fsdp_modes": check_fsdp_modes,
     "race": check_race,
     "gpu_tests": check_gpu_tests,
     "offload": check_offload,

@@ -1,6 +1,7 @@
 """``make bench``: every technique beside its peer in one run; writes RESULTS.md's summary and results.png.
 
-    python -m benchmarks.report [--quick] [--only allreduce,ddp,fsdp,fsdp_medium,pipeline,offload_hooks,offload]
+    python -m benchmarks.report [--quick] [--only allreduce,ddp,fsdp,fsdp_medium,fsdp_modes,pipeline,offload_hooks,
+    offload]
 
 Each benchmark runs as its own subprocess (its log under ``benchmarks/logs/``) and writes rows as JSON:
 ``technique, config, ours, peer, metric, ours_value, peer_value`` (higher is better) and, where measured,
@@ -59,6 +60,9 @@ def runs(quick: bool) -> list[Run]:
     ]
     if "medium" in importlib.import_module("benchmarks.strategy_fsdp").CONFIGS:  # GPT-2 Medium: memory at size
         chosen.insert(3, Run("fsdp_medium", ["strategies", "fsdp", "--configs", "medium", "--repeats", "1"], 300))
+        modes = "hai_fsdp,fsdp1,hai_fsdp:SHARD_GRAD_OP,fsdp1:SHARD_GRAD_OP,hai_fsdp+ac,fsdp1+ac"  # issue 24 item 3
+        fsdp_modes = ["strategies", "fsdp", "--configs", "compute,medium", "--repeats", "1", "--strategies", modes]
+        chosen.insert(4, Run("fsdp_modes", fsdp_modes, 900))
     return chosen
 
 

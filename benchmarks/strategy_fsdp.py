@@ -3,6 +3,13 @@ CPU) on the GPT example, 2 processes: steady samples/s and peak memory per rank,
 
     python -m benchmarks.strategies fsdp [--configs comm,compute] [--strategies hai_fsdp,fsdp2,fsdp1]
     python -m benchmarks.strategies fsdp --configs medium --repeats 1   # GPT-2 Medium (~12 GiB for 2 ranks)
+    python -m benchmarks.strategies fsdp --configs compute,medium --repeats 1 --strategies \
+        hai_fsdp,fsdp1,hai_fsdp:SHARD_GRAD_OP,fsdp1:SHARD_GRAD_OP,hai_fsdp+ac,fsdp1+ac   # modes, side by side
+
+A strategy name may carry a sharding strategy (``hai_fsdp:SHARD_GRAD_OP``) and ``+ac`` (activation checkpointing of
+every Block, by ``activation_checkpointing_policy`` for hai_fsdp, by torch's ``apply_activation_checkpointing`` after
+wrapping for FSDP1, as Lightning's ``FSDPStrategy`` applies it); each is compared with hai_fsdp in the same mode,
+and checkpointing's memory cut and speed cost with and without it, ours beside FSDP1's.
 
 Each (config, strategy) pair runs in 2 fresh processes, so peak RSS (``ru_maxrss``) is that run's own.
 Peak PSS (see [Note: RSS and PSS]) is sampled from ``/proc/self/smaps_rollup`` every 10 ms and at each
@@ -99,25 +106,46 @@ class _MetaGPT(GPTLightningModule):
                 self.model = GPT(self.cfg)
 
 
+def _variant(name: str) -> tuple[str, str, bool]:
+    """``"hai_fsdp:SHARD_GRAD_OP+ac"`` -> (``"hai_fsdp"``, ``"SHARD_GRAD_OP"``, activation checkpointing)."""
+    base, ac = name.removesuffix("+ac"), name.endswith("+ac")
+    base, _, sharding = base.partition(":")
+    return base, sharding or "FULL_SHARD", ac
+
+
 def _strategy(name: str, units: tuple[type[torch.nn.Module], ...]) -> tuple[Any, type[GPTLightningModule]]:
+    """A strategy and its module: ``hai_fsdp``, ``fsdp2`` or ``fsdp1``, with ``:<sharding strategy>`` and ``+ac``
+    (activation checkpointing of every Block) where the strategy has them (see :func:`_variant`)."""
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from lightning_haiscale.strategies import HaiFSDPStrategy
 
-    if name == "hai_fsdp":
-        return HaiFSDPStrategy(auto_wrap_policy=set(units)), GPTLightningModule
-    if name == "fsdp2":
+    base, sharding, ac = _variant(name)
+    checkpointing = {"activation_checkpointing_policy": {Block}} if ac else {}
+    if base == "hai_fsdp":
+        strategy = HaiFSDPStrategy(auto_wrap_policy=set(units), sharding_strategy=sharding, **checkpointing)
+        return strategy, GPTLightningModule
+    if base == "fsdp2":
+        if ac or sharding != "FULL_SHARD":
+            raise ValueError(f"{name}: the fsdp2 baseline runs FULL_SHARD without checkpointing only")
         module_cls = type("_FSDP2GPTUnits", (_FSDP2GPT,), {"units": units})
         return ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1), module_cls
 
     class CPUFSDPStrategy(FSDPStrategy):  # Lightning's "fsdp" refuses accelerator="cpu" otherwise
         def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
             from torch.distributed.fsdp import FullyShardedDataParallel
 
-            return FullyShardedDataParallel(model, device_id=torch.device("cpu"), **self.kwargs)
+            wrapped = FullyShardedDataParallel(
+                model, device_id=torch.device("cpu"), sharding_strategy=self.sharding_strategy, **self.kwargs
+            )
+            if ac:  # as Lightning's FSDPStrategy._setup_model applies it, after wrapping
+                apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, Block))
+            return wrapped
 
-    return CPUFSDPStrategy(auto_wrap_policy=ModuleWrapPolicy(set(units)), use_orig_params=True), _MetaGPT
+    policy = ModuleWrapPolicy(set(units))
+    return CPUFSDPStrategy(auto_wrap_policy=policy, use_orig_params=True, sharding_strategy=sharding), _MetaGPT
 
 
 def _memory_mib() -> dict[str, float]:
@@ -310,19 +338,18 @@ def main(argv: list[str]) -> int:
         units = ", ".join(u.__name__ for u in cfg.units)
         print(f"GPT {params / 1e6:.1f}M parameters, {WORLD} processes, fp32 AdamW, units: {units}", flush=True)
         measured = _measure(names, cfg, model, args.repeats, args.phases)
-        hai = measured.get("hai_fsdp", (float("nan"),) * 4)
+        label = f"{cfg.name} (B={cfg.batch}, T={cfg.seq})"
+        records += _records(f"GPT {params / 1e6:.0f}M, {label}", measured)
         for name, values in measured.items():
-            label = f"{cfg.name} (B={cfg.batch}, T={cfg.seq})"
-            if name != "hai_fsdp":
-                records.append(_record(f"GPT {params / 1e6:.0f}M, {label}", name, hai, values))
+            ours = measured.get(_ours(name), (float("nan"),) * 4)
             speed, rss, pss, host = values
             rows.append(
-                f"| {label} | {name} | {speed:.2f} | {rss:.0f} | {pss:.0f} | {host:.0f} | {hai[0] / speed:.2f}x "
-                f"| {hai[1] / rss:.2f}x | {hai[2] / pss:.2f}x |"
+                f"| {label} | {name} | {speed:.2f} | {rss:.0f} | {pss:.0f} | {host:.0f} | {ours[0] / speed:.2f}x "
+                f"| {ours[1] / rss:.2f}x | {ours[2] / pss:.2f}x |"
             )
     header = (
         "| config | strategy | samples/s | peak RSS/rank (MiB) | peak PSS/rank (MiB) | host PSS (MiB) "
-        "| hai_fsdp samples/s ratio | hai_fsdp RSS ratio | hai_fsdp PSS ratio |"
+        "| hai_fsdp samples/s ratio | hai_fsdp RSS ratio | hai_fsdp PSS ratio |"  # against the same mode's hai_fsdp
     )
     print("\n" + header + "\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
     if args.json is not None:
@@ -330,12 +357,43 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _record(label: str, peer: str, hai: Measured, theirs: Measured) -> dict[str, Any]:
+_PEERS = {"fsdp2": "FSDP2 (ModelParallelStrategy)", "fsdp1": "FSDP1 (FSDPStrategy on CPU)"}
+
+
+def _ours(name: str) -> str:
+    """The hai_fsdp run of the same mode as ``name`` (``"fsdp1:SHARD_GRAD_OP"`` -> ``"hai_fsdp:SHARD_GRAD_OP"``)."""
+    base, _, _ = _variant(name)
+    return "hai_fsdp" + name[len(base) :]
+
+
+def _records(config: str, measured: dict[str, Measured]) -> list[dict[str, Any]]:
+    """Each peer run against hai_fsdp in the same mode (samples/s, peak memory); and, for each strategy measured
+    with and without activation checkpointing, what checkpointing costs it and saves it, ours beside FSDP1's."""
+    rows = []
+    for name, theirs in measured.items():
+        ours = measured.get(_ours(name))
+        if ours is None or name == _ours(name):
+            continue
+        base, sharding, ac = _variant(name)
+        mode = "" if (sharding, ac) == ("FULL_SHARD", False) else f" {sharding}{' + checkpointing' if ac else ''}"
+        rows.append(_record(f"{config}{mode}", _PEERS.get(base, base), ours, theirs))
+    if all(n in measured for n in ("hai_fsdp", "hai_fsdp+ac", "fsdp1", "fsdp1+ac")):
+        (hai, hai_ac), (peer, peer_ac) = [(measured[n], measured[f"{n}+ac"]) for n in ("hai_fsdp", "fsdp1")]
+        for metric, ours_value, peer_value in (
+            ("activation checkpointing: peak PSS cut (x)", hai[2] / hai_ac[2], peer[2] / peer_ac[2]),
+            ("activation checkpointing: samples/s kept (x)", hai_ac[0] / hai[0], peer_ac[0] / peer[0]),
+        ):
+            rows.append({"technique": "hai_fsdp", "config": config, "ours": "hai_fsdp", "peer": _PEERS["fsdp1"],
+                         "metric": metric, "ours_value": ours_value, "peer_value": peer_value})  # fmt: skip
+    return rows
+
+
+def _record(config: str, peer: str, hai: Measured, theirs: Measured) -> dict[str, Any]:
     return {
         "technique": "hai_fsdp",
-        "config": label,
+        "config": config,
         "ours": "hai_fsdp",
-        "peer": {"fsdp2": "FSDP2 (ModelParallelStrategy)", "fsdp1": "FSDP1 (FSDPStrategy on CPU)"}.get(peer, peer),
+        "peer": peer,
         "metric": "samples/s",
         "ours_value": hai[0],
         "peer_value": theirs[0],

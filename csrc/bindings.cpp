@@ -57,6 +57,11 @@ double checked_divisor(DType dtype, double divisor) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hfreduce-style shared-memory collective engine (no torch inside; see lightning_haiscale.hfreduce)";
   m.def("simd_level", &hfreduce::simd_level);
+  m.def("simd_levels", &hfreduce::simd_levels, "The reduce kernel sets this CPU runs, lowest first.");
+  m.def("set_simd_level", &hfreduce::set_simd_level, py::arg("name"),
+        "Dispatches the reduce kernels to `name` (test hook; users set HFREDUCE_KERNELS).");
+  m.attr("KERNELS_ENV") = hfreduce::kKernelsEnv;
+  hfreduce::simd_level();  // a bad HFREDUCE_KERNELS fails the import with its message, not a collective
   m.attr("WORKER_THREAD_NAME") = hfreduce::kWorkerThreadName;
   py::register_exception<hfreduce::ShmFullError>(m, "ShmFullError", PyExc_MemoryError);
 

@@ -1,5 +1,7 @@
 #include "reduce_kernels.h"
 
+#include <atomic>
+#include <cstdlib>
 #include <stdexcept>
 
 #if defined(__x86_64__)
@@ -34,9 +36,22 @@ namespace generic {
 }  // namespace generic
 
 namespace {
+// Ordered: a CPU that runs a level runs every level below it.
 enum class Level { kGeneric, kAvx2, kAvx512 };
+constexpr Level kLevels[] = {Level::kGeneric, Level::kAvx2, Level::kAvx512};
 
-Level detect_level() {
+const char* level_name(Level level) {
+  switch (level) {
+    case Level::kAvx512:
+      return "avx512";
+    case Level::kAvx2:
+      return "avx2";
+    default:
+      return "generic";
+  }
+}
+
+Level best_level() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -50,7 +65,43 @@ Level detect_level() {
   return Level::kGeneric;
 }
 
-const Level kLevel = detect_level();
+std::string available_names() {
+  std::string names;
+  for (Level level : kLevels) {
+    if (level > best_level()) break;
+    names += (names.empty() ? "" : ", ") + std::string(level_name(level));
+  }
+  return names;
+}
+
+// The level named `name` ("best" or "": the CPU's best), checked against this CPU; `source` says who asked.
+Level parse_level(const std::string& name, const std::string& source) {
+  if (name.empty() || name == "best") return best_level();
+  for (Level level : kLevels) {
+    if (name != level_name(level)) continue;
+    if (level > best_level()) {
+      throw std::invalid_argument(source + " asks for the " + name + " reduce kernels, which this CPU cannot run; " +
+                                  "it runs: " + available_names() + " (unset it, or say \"best\", for " +
+                                  level_name(best_level()) + ")");
+    }
+    return level;
+  }
+  throw std::invalid_argument(source + " is not a kernel set; choose one of: generic, avx2, avx512, best");
+}
+
+// [Note: choosing the reduce kernels]
+// The kernels are the CPU's best unless HFREDUCE_KERNELS names a lower set ("generic" is the portable one,
+// what a CPU without AVX2 runs): read once, on first use; the Python module reads it at import
+// (bindings.cpp), so a bad value fails there with its message instead of inside a collective.
+// set_simd_level() changes it at run time (the kernel tests run every set the CPU has); every set gives the
+// same bits (one fp32 rounding per element, in the same order), so a choice changes speed, never results.
+std::atomic<Level>& active_level() {
+  static std::atomic<Level> level{[] {
+    const char* value = std::getenv(kKernelsEnv);
+    return value == nullptr ? best_level() : parse_level(value, std::string(kKernelsEnv) + "=" + value);
+  }()};
+  return level;
+}
 }  // namespace
 
 size_t element_size(DType dtype) {
@@ -91,7 +142,7 @@ const char* dtype_name(DType dtype) {
 void reduce(DType dtype, void* const* dsts, int ndst, const void* const* srcs, int nsrc, size_t count,
             double divisor) {
   if (count == 0) return;
-  switch (kLevel) {
+  switch (active_level().load(std::memory_order_relaxed)) {
 #if defined(__x86_64__)
     case Level::kAvx512:
       return avx512::reduce(dtype, dsts, ndst, srcs, nsrc, count, divisor);
@@ -107,15 +158,16 @@ void reduce(DType dtype, void* dst, const void* const* srcs, int nsrc, size_t co
   reduce(dtype, &dst, 1, srcs, nsrc, count, divisor);
 }
 
-std::string simd_level() {
-  switch (kLevel) {
-    case Level::kAvx512:
-      return "avx512";
-    case Level::kAvx2:
-      return "avx2";
-    default:
-      return "generic";
+std::string simd_level() { return level_name(active_level().load()); }
+
+std::vector<std::string> simd_levels() {
+  std::vector<std::string> names;
+  for (Level level : kLevels) {
+    if (level <= best_level()) names.emplace_back(level_name(level));
   }
+  return names;
 }
+
+void set_simd_level(const std::string& name) { active_level().store(parse_level(name, "simd level '" + name + "'")); }
 
 }  // namespace hfreduce

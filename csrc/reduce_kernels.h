@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace hfreduce {
 
@@ -21,7 +22,16 @@ void reduce(DType dtype, void* dst, const void* const* srcs, int nsrc, size_t co
 void reduce(DType dtype, void* const* dsts, int ndst, const void* const* srcs, int nsrc, size_t count,
             double scale);
 
-// Name of the instruction set `reduce` dispatches to on this CPU: "avx512", "avx2" or "generic".
+// The environment variable that chooses the kernels: "generic" (portable), "avx2", "avx512" or "best" (the
+// default). Asking for a set this CPU cannot run throws std::invalid_argument naming the sets it can.
+constexpr const char* kKernelsEnv = "HFREDUCE_KERNELS";
+
+// Name of the instruction set `reduce` dispatches to: "avx512", "avx2" or "generic" (throws as above on a
+// bad HFREDUCE_KERNELS, read on first use).
 std::string simd_level();
+// The sets this CPU runs, lowest first ("generic" always).
+std::vector<std::string> simd_levels();
+// Dispatches to `name` from now on (one of simd_levels(), or "best"); throws std::invalid_argument otherwise.
+void set_simd_level(const std::string& name);
 
 }  // namespace hfreduce

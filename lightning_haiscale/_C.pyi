@@ -4,6 +4,10 @@ border] in csrc/bindings.cpp."""
 import enum
 
 def simd_level() -> str: ...
+def simd_levels() -> list[str]: ...
+def set_simd_level(name: str) -> None: ...
+
+KERNELS_ENV: str  # "HFREDUCE_KERNELS": generic, avx2, avx512 or best, read at import
 
 WORKER_THREAD_NAME: str  # the OS name of every communicator's worker thread
 

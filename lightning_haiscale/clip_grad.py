@@ -26,21 +26,22 @@ def clip_grad_norm_(
 
     Each rank passes its own, disjoint parameters (possibly none: a pipeline stage of activations only);
     every rank of the group must call it (a collective). Ranks that hold the same parameters (data-parallel
-    replicas, after their gradient all-reduce) belong in different groups. Returns the total norm (float32,
-    on the parameters' device).
+    replicas, after their gradient all-reduce) belong in different groups. Returns the total norm (float32, or
+    float64 for float64 gradients as torch's ``clip_grad_norm_`` keeps it; on the parameters' device).
     """
     params = list(parameters)
     norm_type = float(norm_type)
     grads = [p.grad for p in params if p.grad is not None]
     device = params[0].device if params else _collective_device(process_group)
     local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=device)
+    dtype = torch.promote_types(local.dtype, torch.float32)  # a float64 model's norm is not rounded to float32
     if norm_type == math.inf:
-        total = local.float().reshape(1)
+        total = local.to(dtype).reshape(1)
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=process_group)
     else:
         total = local.double().pow(norm_type).reshape(1)  # fp64: p-th powers of large norms stay finite
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=process_group)
-        total = total.pow(1.0 / norm_type).float()
+        total = total.pow(1.0 / norm_type).to(dtype)
     total = total.reshape(())
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

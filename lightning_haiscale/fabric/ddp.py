@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.fabric.shared import NoSyncControl, Wrapped
-from lightning_haiscale.strategies.arguments import check_choice, check_timeout
+from lightning_haiscale.strategies.arguments import check_choice, check_timeout, strategy_repr
 from lightning_haiscale.strategies.ddp import hai_ddp_options, wrap_hai_ddp
 from lightning_haiscale.strategies.parallel import register_once
 
@@ -58,6 +58,9 @@ class HaiDDPStrategy(DDPStrategy):
         self._hai_kwargs = options
         self._backward_sync_control = NoSyncControl(DistributedDataParallel, "hai_ddp")
         self._wrapped = Wrapped()
+
+    def __repr__(self) -> str:
+        return strategy_repr(self, "lightning_haiscale.HaiDDPStrategy (lightning_haiscale.strategies)")
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:

@@ -22,19 +22,20 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_haiscale.checkpoint_files import folder_checkpoint
 from lightning_haiscale.fabric.shared import NoSyncControl, Sharded, Wrapped
-from lightning_haiscale.fsdp import (
-    BackwardPrefetch,
-    FullyShardedDataParallel,
-)
+from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
+from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
-from lightning_haiscale.strategies.arguments import check_choice, check_timeout
-from lightning_haiscale.strategies.fsdp import hai_fsdp_options, wrap_hai_fsdp
+from lightning_haiscale.strategies.arguments import check_choice, check_timeout, strategy_repr
+from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.strategies.parallel import agree_on_inf, register_once
 
 __all__ = ["HaiFSDPStrategy"]
@@ -50,25 +51,59 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
     ``DDPStrategy``'s; the module is sharded by :class:`lightning_haiscale.fsdp.FullyShardedDataParallel`.
     ``fabric.setup(model, optimizer)`` points the optimizer at this rank's pieces (it must not have stepped
     yet); ``fabric.init_module(empty_init=True)`` builds on the meta device and the model is materialized
-    one unit at a time. Arguments as :class:`lightning_haiscale.HaiFSDPStrategy`.
+    one unit at a time. Arguments as :class:`lightning_haiscale.HaiFSDPStrategy` (every keyword of Fabric's
+    ``FSDPStrategy``, in its order, after our own; ``checkpoint_io`` as Fabric's ``DDPStrategy``), but
+    ``state_dict_type`` defaults to ``"full"`` here too (Fabric's ``FSDPStrategy``: ``"sharded"``).
     """
 
     def __init__(
         self,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        reshard_after_forward: bool = True,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        checkpoint_io: CheckpointIO | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta = default_pg_timeout,
+        timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: bool | CPUOffload | None = None,
+        mixed_precision: TorchMixedPrecision | MixedPrecision | None = None,
         auto_wrap_policy: AutoWrapPolicy | None = None,
-        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-        reshard_after_forward: bool = True,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
+        activation_checkpointing_policy: CheckpointPolicy | None = None,
+        sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
         state_dict_type: Literal["full", "sharded"] = "full",
-        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        *,
+        limit_all_gathers: bool | None = None,
+        forward_prefetch: bool | None = None,
+        use_orig_params: bool | None = None,
+        sync_module_states: bool | None = None,
+        ignored_modules: list[nn.Module] | None = None,
+        **kwargs: Any,
     ) -> None:
-        options = hai_fsdp_options(auto_wrap_policy, backward_prefetch, reshard_after_forward, param_init_fn)
+        options = hai_fsdp_options(
+            backward_prefetch=backward_prefetch,
+            reshard_after_forward=reshard_after_forward,
+            param_init_fn=param_init_fn,
+            cpu_offload=cpu_offload,
+            mixed_precision=mixed_precision,
+            auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            sharding_strategy=sharding_strategy,
+            device_mesh=device_mesh,
+            kwargs={
+                **kwargs,
+                "limit_all_gathers": limit_all_gathers,
+                "forward_prefetch": forward_prefetch,
+                "use_orig_params": use_orig_params,
+                "sync_module_states": sync_module_states,
+                "ignored_modules": ignored_modules,
+            },
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -79,9 +114,13 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
             timeout=check_timeout(timeout) or default_pg_timeout,
         )
         self.state_dict_type = check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
-        self._fsdp_kwargs = options
+        self.sharding_strategy = options.sharding_strategy
+        self._fsdp_options = options
         self._backward_sync_control = NoSyncControl(FullyShardedDataParallel, "hai_fsdp")
         self._wrapped = Wrapped()
+
+    def __repr__(self) -> str:
+        return strategy_repr(self, "lightning_haiscale.HaiFSDPStrategy (lightning_haiscale.strategies)")
 
     @override
     def setup_environment(self) -> None:
@@ -92,7 +131,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
 
     @override
     def setup_module(self, module: nn.Module) -> FullyShardedDataParallel:
-        wrapped = wrap_hai_fsdp(module, self.root_device, self._timeout, self.precision.precision, self._fsdp_kwargs)
+        wrapped = wrap_hai_fsdp(module, self.root_device, self._timeout, self.precision.precision, self._fsdp_options)
         self._wrapped.add(wrapped)
         return wrapped
 
@@ -185,7 +224,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
             if name != module and name not in optimizers
         }
         with folder_checkpoint(folder, publisher=self.is_global_zero, barrier=self.barrier) as staging:
-            save_dcp(staging, model.sharded_state_dict(), shards, model.comm.group)
+            save_dcp(staging, model.sharded_state_dict(), shards, model.process_group)
             if self.is_global_zero:
                 names = {"module": module, "optimizers": optimizers}
                 self.checkpoint_io.save_checkpoint({**rest, _NAMES: names}, staging / _META_FILE, storage_options)

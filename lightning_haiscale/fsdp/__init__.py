@@ -9,6 +9,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after wrapping: se
 from lightning_haiscale.fsdp.api import BackwardPrefetch, MixedPrecision, StateDictType
 from lightning_haiscale.fsdp.arrival import CollectiveMisuseError
 from lightning_haiscale.fsdp.fully_sharded import FullyShardedDataParallel
+from lightning_haiscale.fsdp.mesh import hybrid_groups
 from lightning_haiscale.fsdp.optim_state import (
     full_optim_state_dict,
     load_full_optim_state_dict,
@@ -16,6 +17,7 @@ from lightning_haiscale.fsdp.optim_state import (
     sharded_optim_state_dict,
 )
 from lightning_haiscale.fsdp.param_group import ShardState
+from lightning_haiscale.fsdp.sharding import ShardingStrategy
 from lightning_haiscale.fsdp.state_dict import (
     full_state_dict,
     load_full_state_dict,
@@ -29,9 +31,11 @@ __all__ = [
     "FullyShardedDataParallel",
     "MixedPrecision",
     "ShardState",
+    "ShardingStrategy",
     "StateDictType",
     "full_optim_state_dict",
     "full_state_dict",
+    "hybrid_groups",
     "load_full_optim_state_dict",
     "load_full_state_dict",
     "load_sharded_optim_state_dict",

@@ -7,11 +7,12 @@ ranks issue the same sequence as long as they run the same units in the same ord
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from lightning_haiscale.fsdp.layout import UnitLayout
 from lightning_haiscale.hfreduce import Communicator, Work
 
-__all__ = ["all_gather_shards", "all_reduce_grad", "gather_unit", "reduce_scatter_grads"]
+__all__ = ["all_gather_shards", "all_reduce_grad", "broadcast_from_first", "gather_unit", "reduce_scatter_grads"]
 
 
 def all_gather_shards(comm: Communicator, full: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Work | None:
@@ -41,3 +42,12 @@ def _handle(work: Work | None, collective: str) -> Work:
     if work is None:  # the engine always returns a handle for async_op=True
         raise RuntimeError(f"hfreduce returned no handle for an asynchronous {collective}")
     return work
+
+
+def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Copies the first rank of ``group``'s ``tensors`` to every rank (``sync_module_states``), before sharding,
+    through ``torch.distributed`` (the engine's groups may be smaller than ``group``)."""
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=source, group=group)

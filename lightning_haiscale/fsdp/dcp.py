@@ -119,11 +119,15 @@ class _LoadPlanner(DefaultLoadPlanner):
         return obj.view(index.offset) if isinstance(obj, FlatPiece) else super().lookup_tensor(index)
 
 
-def _pieces_of(shard: Mapping[str, Any]) -> dict[str, Any]:
-    return {
+def _pieces_of(shard: Mapping[str, Any], aliases: bool = False) -> dict[str, Any]:
+    """The shard's pieces as DCP chunks, also under the other keys of a shared parameter with ``aliases``."""
+    pieces = {
         fqn: FlatPiece(piece, shard["layout"][fqn]["start"], shard["layout"][fqn]["shape"])
         for fqn, piece in shard["tensors"].items()
     }
+    if aliases:
+        pieces.update((key, pieces[fqn]) for fqn, keys in shard.get("aliases", {}).items() for key in keys)
+    return pieces
 
 
 def _optim_pieces(shard: Mapping[str, Any]) -> dict[str, Any]:
@@ -147,9 +151,9 @@ def save_dcp(
 ) -> None:
     """Writes this rank's model and optimizer shards (``model.sharded_state_dict()`` /
     ``model.sharded_optim_state_dict(optimizer)``) into the DCP folder ``path``. Collective over ``group``
-    (``model.comm.group``)."""
+    (``model.process_group``: every rank of the model, replicas included)."""
     state = {
-        "state_dict": {**_pieces_of(model_shard), **model_shard["buffers"]},
+        "state_dict": {**_pieces_of(model_shard, aliases=True), **model_shard["buffers"]},
         "optimizer_states": [_optim_pieces(shard) for shard in optim_shards],
     }
     dcp.save(state, checkpoint_id=path, planner=_SavePlanner(), process_group=group)
@@ -169,7 +173,7 @@ def load_dcp(
     if optimizers:
         state["optimizer_states"] = optimizers
     planner = _LoadPlanner(allow_partial_load=not strict)
-    dcp.load(state, checkpoint_id=path, planner=planner, process_group=model.comm.group)
+    dcp.load(state, checkpoint_id=path, planner=planner, process_group=model.process_group)
     model_shard = {**mine, "buffers": {k: state["state_dict"][k] for k in mine["buffers"]}}
     return model_shard, [_optim_shard(o, layout) for o in state.get("optimizer_states", [])]
 

@@ -1,4 +1,5 @@
-"""``FullyShardedDataParallel``: ZeRO-3 sharding of a module over the hfreduce engine.
+"""``FullyShardedDataParallel``: ZeRO-3 sharding of a module over the hfreduce engine (ZeRO-2, replicated and
+hybrid sharding are the same machine with other groups, see sharding [Note: one machine for every strategy]).
 
 [Note: schedule]
 Forward: a unit's pre-forward hook waits for (or starts) its all-gather, starts the next unit's
@@ -38,19 +39,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_haiscale.clip_grad import clip_grad_norm_
 from lightning_haiscale.fsdp.api import BackwardPrefetch, MixedPrecision, StateDictType
 from lightning_haiscale.fsdp.arrival import ArrivalCheck
+from lightning_haiscale.fsdp.collectives import broadcast_from_first
 from lightning_haiscale.fsdp.deferred_init import materialize_unit
 from lightning_haiscale.fsdp.layout import ShardLayout
+from lightning_haiscale.fsdp.mesh import strategy_groups
+from lightning_haiscale.fsdp.names import buffers_by_key, keys_of, state_dict_names
 from lightning_haiscale.fsdp.optim_state import (
     gather_full_optim_state,
     load_full_optim_state,
     load_local_optim_states,
     local_optim_state,
 )
+from lightning_haiscale.fsdp.options import check_cpu_offload, check_flags, ignored
 from lightning_haiscale.fsdp.param_group import FSDPParamGroup, GradShards, ShardState
+from lightning_haiscale.fsdp.sharding import ShardingStrategy, resolve_strategy
 from lightning_haiscale.fsdp.state_dict import (
     gather_full_state,
     load_full_state,
@@ -66,7 +73,9 @@ __all__ = ["FullyShardedDataParallel"]
 
 
 class FullyShardedDataParallel(nn.Module):
-    """Shards ``module``'s parameters, gradients and optimizer state over the ranks of ``process_group``.
+    """Shards ``module``'s parameters, gradients and optimizer state over the ranks of ``process_group`` (or,
+    per ``sharding_strategy``, over each host or a mesh dimension, replicated across the others: see sharding
+    [Note: one machine for every strategy]).
 
     Build the optimizer after wrapping, from ``model.parameters()``: it sees only this rank's pieces.
 
@@ -96,16 +105,28 @@ class FullyShardedDataParallel(nn.Module):
     Args:
         module: the model; parameters may be on the meta device (materialized unit by unit, see
             ``param_init_fn``), so the whole model never exists on one rank.
-        process_group: ranks to shard over (default: the world). Ignored when ``communicator`` is given.
+        process_group: ranks of the model (default: the world), or torch FSDP1's ``(shard_group,
+            replicate_group)`` pair for hybrid sharding. Ignored when ``communicator`` is given.
         auto_wrap_policy: which submodules become units of their own (see ``wrap.AutoWrapPolicy``);
             ``None``: one unit for the whole model.
         backward_prefetch: when backward prefetches the next unit (``None``: no backward prefetch).
-        reshard_after_forward: free each non-root unit's full parameters after its forward.
+        reshard_after_forward: ``False`` keeps each unit's gathered parameters from its forward to its backward:
+            the same setting as ``sharding_strategy="SHARD_GRAD_OP"`` (``HYBRID_SHARD`` becomes
+            ``_HYBRID_SHARD_ZERO2``; see sharding [Note: one machine for every strategy]).
         mixed_precision: dtypes of the gathered parameters and of gradient reduction.
         device_id: device of the shards (an index means a CUDA device); default the parameters' device.
+        sharding_strategy: torch FSDP's ``ShardingStrategy`` (member or name): ``FULL_SHARD``,
+            ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD`` or ``_HYBRID_SHARD_ZERO2``.
+        device_mesh: for hybrid sharding, a 2-D torch ``DeviceMesh`` (dims: replicate, shard) or a ``(replicate,
+            shard)`` tuple; default: shard within each host, replicate across hosts (see mesh [Note: hybrid
+            groups by default]).
+        cpu_offload, ignored_modules, sync_module_states, limit_all_gathers, forward_prefetch, use_orig_params:
+            torch FSDP's, with the meanings of options [Note: torch's keywords, honoured].
         param_init_fn: ``fn(module)`` initializing a module's meta-device parameters in place;
             default ``module.reset_parameters()``.
-        communicator: an existing engine to share (its group is used; :meth:`close` stops it).
+        communicator: an existing engine over the model's ranks to use (its group replaces ``process_group``;
+            :meth:`close` stops it); hybrid sharding builds its two engines over that group instead, with its
+            timeout, and stops it.
         arrival_timeout: how long a collective call (``state_dict()`` outside ``summon_full_params``,
             ``summon_full_params()``) waits for every rank to make it before raising
             :class:`~lightning_haiscale.fsdp.arrival.CollectiveMisuseError` (see [Note: why an arrival check]).
@@ -114,28 +135,48 @@ class FullyShardedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
         auto_wrap_policy: AutoWrapPolicy | None = None,
         backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
         reshard_after_forward: bool = True,
         mixed_precision: MixedPrecision | None = None,
         device_id: int | torch.device | None = None,
         *,
+        sharding_strategy: ShardingStrategy | str | Any = "FULL_SHARD",
+        device_mesh: DeviceMesh | tuple[int, int] | None = None,
+        cpu_offload: Any = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        sync_module_states: bool = False,
+        limit_all_gathers: bool = True,
+        forward_prefetch: bool = False,
+        use_orig_params: bool = True,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         communicator: Communicator | None = None,
         arrival_timeout: timedelta = timedelta(seconds=30),
     ) -> None:
         super().__init__()
         _check_args(module, backward_prefetch, mixed_precision)
+        check_flags(
+            sync_module_states=sync_module_states,
+            limit_all_gathers=limit_all_gathers,
+            forward_prefetch=forward_prefetch,
+            use_orig_params=use_orig_params,
+        )
+        self.sharding_strategy = resolve_strategy(sharding_strategy, reshard_after_forward)
+        """The strategy in effect (``reshard_after_forward=False`` made FULL_SHARD into SHARD_GRAD_OP)."""
+        self.reshard_after_forward = self.sharding_strategy.reshard_after_forward
+        self.device = _resolve_device(device_id, module)
+        check_cpu_offload(cpu_offload, self.device)
+        self._ignored_modules, self._ignored_params = ignored(module, ignored_modules)
         self.module = module
         self.backward_prefetch = backward_prefetch
-        self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
-        self.comm = communicator if communicator is not None else Communicator(process_group)
+        self.comm, self.replicate_comm, self.process_group = self._communicators(
+            process_group, device_mesh, communicator
+        )
         self._closed = False
-        self.device = _resolve_device(device_id, module)
-        units = unit_modules(module, auto_wrap_policy)
-        self._groups = self._build_groups(units, param_init_fn)
+        units = [u for u in unit_modules(module, auto_wrap_policy) if id(u) not in self._ignored_modules]
+        self._groups = self._build_groups(units, param_init_fn, sync_module_states)
         self._root_group = self._groups.get(module)
         self._grad_shards = GradShards(list(self._groups.values()))
         for group in self._groups.values():
@@ -149,6 +190,8 @@ class FullyShardedDataParallel(nn.Module):
         )
         """This rank's sharding: the units and, per unit, each parameter's names, shape and slice."""
         _move_buffers(module, self.device)
+        if sync_module_states:
+            broadcast_from_first(list(module.buffers()), self.process_group)
         self._register_hooks()
         self._sync_grads = True
         self._forward_order: list[FSDPParamGroup] | None = None
@@ -160,24 +203,52 @@ class FullyShardedDataParallel(nn.Module):
         self._unfinished: dict[int, FSDPParamGroup] = {}  # units holding gradients, their backward not done
         self._state_dict_type = StateDictType.FULL
         self._holds_full: bool | None = None  # inside summon_full_params: whether this rank holds them
-        self._arrival = ArrivalCheck(self.comm.group, arrival_timeout)
+        self._arrival = ArrivalCheck(self.process_group, arrival_timeout)
 
     # ------------------------------------------------------------------------ construction
 
+    def _communicators(
+        self, process_group: Any, device_mesh: Any, communicator: Communicator | None
+    ) -> tuple[Communicator, Communicator | None, dist.ProcessGroup]:
+        """The engines over the shard and replicate groups, and the group of every rank of the model. A given
+        ``communicator`` over the whole group is the shard engine (FULL_SHARD, SHARD_GRAD_OP) or the replicate
+        one (NO_SHARD); hybrid sharding needs two others over its group (with its timeout) and stops it."""
+        strategy = self.sharding_strategy
+        timeout = communicator.timeout if communicator is not None else timedelta(minutes=5)
+        if communicator is not None:
+            if not strategy.hybrid and strategy is not ShardingStrategy.NO_SHARD:
+                return communicator, None, communicator.group
+            process_group = communicator.group
+        shard, replicate, whole = strategy_groups(strategy, process_group, device_mesh)
+        if communicator is not None and strategy is ShardingStrategy.NO_SHARD:
+            return Communicator(shard, timeout=timeout), communicator if replicate is not None else None, whole
+        if communicator is not None:
+            communicator.close()
+        replicate_comm = Communicator(replicate, timeout=timeout) if replicate is not None else None
+        return Communicator(shard, timeout=timeout), replicate_comm, whole
+
     def _build_groups(
-        self, units: list[nn.Module], param_init_fn: Callable[[nn.Module], None] | None
+        self, units: list[nn.Module], param_init_fn: Callable[[nn.Module], None] | None, sync: bool
     ) -> dict[nn.Module, FSDPParamGroup]:
-        """Materializes and shards the units innermost first, so one unit at a time is whole."""
+        """Materializes (and with ``sync``, broadcasts from the first rank) and shards the units innermost first,
+        so one unit at a time is whole."""
         owned = assign_params(self.module, units)
+        names = state_dict_names(self.module)  # see names [Note: state-dict keys are not parameter names]
+        for refs in owned.values():
+            refs[:] = [ref for ref in refs if id(ref.param) not in self._ignored_params]
+            for ref in refs:
+                ref.fqns = keys_of(ref.fqns, names)
         scopes = unit_scopes(self.module, units)
         shapes: dict[int, torch.Size] = {}
         groups: dict[nn.Module, FSDPParamGroup] = {}
         for unit in reversed(units):
             refs = owned[unit]
-            materialize_unit(refs, scopes[unit], self.device, param_init_fn, shapes)
+            materialize_unit(refs, scopes[unit], self.device, param_init_fn, shapes, root=self.module)
             if not refs:
                 continue
-            group = FSDPParamGroup(refs, self.comm, self.device, self.mixed_precision)
+            if sync:
+                broadcast_from_first([ref.param for ref in refs], self.process_group)
+            group = FSDPParamGroup(refs, self.comm, self.device, self.mixed_precision, self.replicate_comm)
             refs.clear()  # drop the last references to the whole parameters
             shapes.update((id(piece), info.shape) for piece, info in zip(group.pieces, group.infos, strict=True))
             groups[unit] = group
@@ -319,6 +390,8 @@ class FullyShardedDataParallel(nn.Module):
         engine over the same group (collectively, as construction did) and closes it again only on request.
         """
         self.comm.close()
+        if self.replicate_comm is not None:
+            self.replicate_comm.close()
         self._closed = True
 
     @property
@@ -331,8 +404,10 @@ class FullyShardedDataParallel(nn.Module):
         if not self._closed:
             return
         self.comm = Communicator(self.comm.group, timeout=self.comm.timeout)
+        if self.replicate_comm is not None:
+            self.replicate_comm = Communicator(self.replicate_comm.group, timeout=self.replicate_comm.timeout)
         for group in self._groups.values():
-            group.comm = self.comm
+            group.comm, group.replicate = self.comm, self.replicate_comm
         self._closed = False
 
     @contextmanager
@@ -357,11 +432,11 @@ class FullyShardedDataParallel(nn.Module):
         self.expect_every_rank("summon_full_params()")
         self._open()
         summoned: list[tuple[FSDPParamGroup, torch.Tensor]] = []
-        self._holds_full = not rank0_only or self.comm.rank == 0
+        self._holds_full = not rank0_only or self._first_rank
         try:
             for group in self._groups.values():
                 full = group.gather_full()
-                if not rank0_only or self.comm.rank == 0:
+                if not rank0_only or self._first_rank:
                     views = group.full_views(full)
                     group.set_params(
                         [
@@ -457,7 +532,7 @@ class FullyShardedDataParallel(nn.Module):
         ``rank0_only``). Collective: a call on a subset of ranks raises ``CollectiveMisuseError``."""
         self.expect_every_rank("full_optim_state_dict()")
         self._open()
-        keep = not rank0_only or self.comm.rank == 0
+        keep = not rank0_only or self._first_rank
         return gather_full_optim_state(self.layout, self._pieces(), optimizer, self.comm, keep)
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -477,7 +552,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _gather_full_state(self, rank0_only: bool) -> dict[str, torch.Tensor]:
         self._open()
-        keep = not rank0_only or self.comm.rank == 0
+        keep = not rank0_only or self._first_rank
         return gather_full_state(self.layout, self._flat_shards(), self._buffers_by_name(), self.comm, keep)
 
     def _flat_shards(self) -> list[torch.Tensor]:
@@ -486,8 +561,14 @@ class FullyShardedDataParallel(nn.Module):
     def _pieces(self) -> list[list[nn.Parameter]]:
         return [group.pieces for group in self._groups.values()]
 
+    @property
+    def _first_rank(self) -> bool:
+        """Whether this is the first rank of the model's whole group (where ``rank0_only`` results go)."""
+        return dist.get_rank(self.process_group) == 0
+
     def _buffers_by_name(self) -> dict[str, torch.Tensor]:
-        return dict(self.module.named_buffers(remove_duplicate=False))
+        """Buffers and the parameters of ``ignored_modules``, by state-dict key: saved whole, as they are."""
+        return buffers_by_key(self.module, self._ignored_params)
 
     def __getattr__(self, name: str) -> Any:
         try:

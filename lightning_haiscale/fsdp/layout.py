@@ -9,13 +9,22 @@ shards the module.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["SHARDED_FORMAT", "ParamSlice", "ShardLayout", "UnitLayout", "check_format", "copy_overlap", "to_cpu"]
+__all__ = [
+    "SHARDED_FORMAT",
+    "ParamSlice",
+    "ShardLayout",
+    "UnitLayout",
+    "check_format",
+    "check_matched",
+    "copy_overlap",
+    "to_cpu",
+]
 
 SHARDED_FORMAT = "lightning_haiscale.fsdp.sharded/1"
 
@@ -26,8 +35,9 @@ class ParamSlice:
     this rank holds at ``shard_offset`` of its unit's flat shard. The piece may be empty (``start == end``).
 
     Attributes:
-        names: its names relative to the root module (several for a shared parameter; the first is the key of
-            the optimizer state and of the sharded state dict).
+        names: its keys in the root module's ``state_dict()`` (several for a shared parameter; the first is the
+            key of the optimizer state and of the sharded state dict). They are not always its attribute paths
+            (see names [Note: state-dict keys are not parameter names]).
         shape: its original shape.
         start: first element of the flattened parameter in this rank's piece.
         end: one past the last element in this rank's piece.
@@ -96,6 +106,21 @@ class ShardLayout:
         for unit in self.units:
             for param in unit.params:
                 yield unit, param
+
+
+def check_matched(layout: ShardLayout, buffer_keys: Iterable[str], call: str) -> None:
+    """``KeyError`` naming the keys unless every state-dict key of ``layout`` is a parameter or a buffer, and
+    every parameter has a state-dict key: a checkpoint must neither drop a shard nor hold a key that fills none
+    (see names [Note: state-dict keys are not parameter names])."""
+    keys = set(layout.keys)
+    covered = set(buffer_keys) | {name for _, param in layout.params() for name in param.names}
+    no_tensor = [k for k in layout.keys if k not in covered]
+    no_key = [param.name for _, param in layout.params() if not keys.intersection(param.names)]
+    if no_tensor or no_key:
+        raise KeyError(
+            f"{call}: state-dict keys {no_tensor} match no shard or buffer, and parameters {no_key} have no "
+            "state-dict key: a state_dict() hook of the module drops or renames them; remove it or save the keys"
+        )
 
 
 def to_cpu(tensor: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,15 @@ only this rank's piece of each is kept, in the unit's reduced shard (zeros until
 unit's gradients follow the same way. An all-reduce moves twice the bytes of a reduce-scatter, on these
 parameters only; in exchange no unsharded gradient outlives its reduction, and there is no flat copy.
 
+[Note: replicated shards]
+Under hybrid sharding and NO_SHARD, the ranks of ``replicate`` hold the same shard (see sharding [Note: one
+machine for every strategy]). Once a unit's gradients are all reduced within the shard group (its backward is
+done and its reductions waited for, which the next unit's reduction does, see fully_sharded [Note: one
+reduce-scatter in flight]), the reduced shard is averaged over ``replicate`` asynchronously, so that all-reduce
+(the only traffic that crosses hosts under HYBRID_SHARD) runs while backward goes on; the end of backward
+waits for it before the shard becomes the pieces' ``.grad``. Every rank starts it at the same point of the
+same backward, so the replicas issue their all-reduces in one order.
+
 [Note: one buffer for the reduced gradients]
 Each unit's reduced shard becomes its pieces' ``.grad`` and lives until the optimizer's ``zero_grad``:
 24 shards of 25 MiB per GPT-2 Medium step, allocated among the backward's short-lived tensors. On the
@@ -80,10 +89,16 @@ def _alloc(tensor: torch.Tensor) -> None:
 
 
 class FSDPParamGroup:
-    """The parameters one unit owns, sharded over ``comm`` (see [Note: flat layout])."""
+    """The parameters one unit owns, sharded over ``comm`` and, with ``replicate``, replicated over its ranks
+    (see [Note: flat layout] and [Note: replicated shards])."""
 
     def __init__(
-        self, refs: list[ParamRef], comm: Communicator, device: torch.device, mixed_precision: MixedPrecision | None
+        self,
+        refs: list[ParamRef],
+        comm: Communicator,
+        device: torch.device,
+        mixed_precision: MixedPrecision | None,
+        replicate: Communicator | None = None,
     ) -> None:
         dtypes = {ref.param.dtype for ref in refs}
         if len(dtypes) != 1:
@@ -93,6 +108,8 @@ class FSDPParamGroup:
                 "parameters of different dtypes in separate units (auto_wrap_policy) or cast the module"
             )
         self.comm = comm
+        self.replicate = replicate
+        """The engine over the ranks holding the same shard (hybrid sharding, NO_SHARD), or None."""
         self.dtype = next(iter(dtypes))
         self.device = device
         total = sum(ref.param.numel() for ref in refs)
@@ -122,11 +139,22 @@ class FSDPParamGroup:
         self._waiting: list[int] = []  # ... of those, the ones not yet reduced
         self._reductions: list[tuple[Work, Callable[[], None]]] = []  # in flight, each with what ends it
         self._reduced: torch.Tensor | None = None  # this backward's reduced shard, until finalize_grads
+        self._complete = False  # this backward reduced every gradient of the unit (its shard may be replicated)
+        self._replication: Work | None = None  # the all-reduce of ``_reduced`` over ``replicate`` in flight
         self._in_parts = False  # this backward reduces the unit parameter by parameter
         self._released: set[int] = set()  # leaves whose pages went back to the OS while unsharded
         self._gather_on_forward = False  # this backward considered releasing (alike on every rank)
         self.grad_space: Callable[[], torch.Tensor] = self.fresh_shard
-        """Where a reduced shard goes (see [Note: one buffer for the reduced gradients])."""
+        """Where a reduced shard goes (see [Note: replicated shards]
+Under hybrid sharding and NO_SHARD, the ranks of ``replicate`` hold the same shard (see sharding [Note: one
+machine for every strategy]). Once a unit's gradients are all reduced within the shard group (its backward is
+done and its reductions waited for, which the next unit's reduction does, see fully_sharded [Note: one
+reduce-scatter in flight]), the reduced shard is averaged over ``replicate`` asynchronously, so that all-reduce
+(the only traffic that crosses hosts under HYBRID_SHARD) runs while backward goes on; the end of backward
+waits for it before the shard becomes the pieces' ``.grad``. Every rank starts it at the same point of the
+same backward, so the replicas issue their all-reduces in one order.
+
+[Note: one buffer for the reduced gradients])."""
         self.use_pieces()
 
     def _make_leaves(self) -> list[torch.Tensor]:
@@ -284,6 +312,7 @@ class FSDPParamGroup:
         accumulating on the leaves for a later backward, as under ``no_sync()``), then reshards."""
         self._waiting.clear()
         grads = [i for i, leaf in enumerate(self.leaves) if leaf.grad is not None]
+        self._complete = sync
         if sync and grads:
             if self._in_parts:
                 for index in grads:
@@ -325,9 +354,21 @@ class FSDPParamGroup:
             work.wait()
             done()
         self._reductions.clear()
+        if self._complete:
+            self._replicate()
+
+    def _replicate(self) -> None:
+        """Starts averaging the reduced shard over the replicas (see [Note: replicated shards]), once."""
+        if self.replicate is not None and self._reduced is not None and self._replication is None:
+            self._replication = all_reduce_grad(self.replicate, self._reduced)
 
     def _hand_over(self) -> None:
         """Adds the reduced shard to the pieces' ``.grad``."""
+        if self._reduced is not None:
+            self._replicate()
+        if self._replication is not None:
+            self._replication.wait()
+            self._replication = None
         reduced, self._reduced = self._reduced, None
         if reduced is None:
             return
@@ -347,6 +388,7 @@ class FSDPParamGroup:
         self._hand_over()
         self._arrived.clear()
         self._in_parts = False
+        self._complete = False
 
     # --------------------------------------------------------------------- whole copies
 
@@ -363,6 +405,15 @@ class FSDPParamGroup:
 
 class GradShards:
     """Every unit's reduced gradient shard of one backward as a slice of one buffer per (dtype, device) (see
+        [Note: replicated shards]
+    Under hybrid sharding and NO_SHARD, the ranks of ``replicate`` hold the same shard (see sharding [Note: one
+    machine for every strategy]). Once a unit's gradients are all reduced within the shard group (its backward is
+    done and its reductions waited for, which the next unit's reduction does, see fully_sharded [Note: one
+    reduce-scatter in flight]), the reduced shard is averaged over ``replicate`` asynchronously, so that all-reduce
+    (the only traffic that crosses hosts under HYBRID_SHARD) runs while backward goes on; the end of backward
+    waits for it before the shard becomes the pieces' ``.grad``. Every rank starts it at the same point of the
+    same backward, so the replicas issue their all-reduces in one order.
+
     [Note: one buffer for the reduced gradients])."""
 
     def __init__(self, groups: list[FSDPParamGroup]) -> None:

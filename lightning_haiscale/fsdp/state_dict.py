@@ -4,7 +4,9 @@ per rank, loadable on any number of ranks).
 [Note: sharded format]
 ``{"format": SHARDED_FORMAT, "world_size": W, "rank": r, "tensors": {fqn: piece}, "layout": {fqn:
 {"shape": [...], "start": s}}, "buffers": {name: tensor}}``: ``piece`` holds elements ``[s, s +
-piece.numel())`` of the flattened parameter ``fqn``. Loading intersects each saved piece with the
+piece.numel())`` of the flattened parameter ``fqn``; ``"aliases": {fqn: [key, ...]}`` lists the other keys of
+a shared parameter (a tied head), which the DCP form saves too, so that its whole-tensor conversion loads into
+the bare module. Loading intersects each saved piece with the
 pieces of the new layout, so any world size and any wrapping policy can read it; shards may be
 memory-mapped (``torch.load(..., mmap=True)``) so each rank reads only the bytes it needs.
 
@@ -24,7 +26,14 @@ import torch
 from torch import nn
 
 from lightning_haiscale.fsdp.collectives import gather_unit
-from lightning_haiscale.fsdp.layout import SHARDED_FORMAT, ShardLayout, check_format, copy_overlap, to_cpu
+from lightning_haiscale.fsdp.layout import (
+    SHARDED_FORMAT,
+    ShardLayout,
+    check_format,
+    check_matched,
+    copy_overlap,
+    to_cpu,
+)
 from lightning_haiscale.hfreduce import Communicator
 
 __all__ = [
@@ -51,7 +60,9 @@ def gather_full_state(
 ) -> dict[str, torch.Tensor]:
     """Every parameter whole, on the CPU, keyed as the bare module's ``state_dict()``, where ``keep`` (``{}``
     elsewhere). Collective over ``comm``, without an arrival check (the wrapper's methods make it); gathers one
-    unit at a time. ``flat_shards``: each unit's flat shard; ``buffers``: the module's buffers by name."""
+    unit at a time. ``flat_shards``: each unit's flat shard; ``buffers``: the module's buffers by state-dict key.
+    Raises before any collective if a shard has no key or a key no tensor (``layout.check_matched``)."""
+    check_matched(layout, buffers, "full_state_dict()")
     values: dict[str, torch.Tensor] = {}
     for unit, flat in zip(layout.units, flat_shards, strict=True):
         full = gather_unit(comm, unit, flat)
@@ -86,7 +97,9 @@ def load_full_state(
     strict: bool = True,
 ) -> tuple[list[str], list[str]]:
     """Copies this rank's pieces (into ``flat_shards``) and the buffers out of a full state dict. No
-    collectives. Returns (missing, unexpected) keys."""
+    collectives. Returns (missing, unexpected) keys; with ``strict``, raises unless every key fills a tensor and
+    every parameter's piece is written."""
+    check_matched(layout, buffers, "load_full_state_dict()")
     known = set(layout.keys)
     missing = [k for k in layout.keys if k not in state_dict]
     unexpected = [k for k in state_dict if k not in known]
@@ -96,7 +109,7 @@ def load_full_state(
         for unit, flat in zip(layout.units, flat_shards, strict=True):
             for param in unit.params:
                 key = next((k for k in param.names if k in state_dict), None)
-                if key is None:
+                if key is None:  # its key is missing (raised above with strict): check_matched gave it one
                     continue
                 value = state_dict[key]
                 if value.shape != param.shape:
@@ -111,6 +124,7 @@ def local_state(
     layout: ShardLayout, flat_shards: Sequence[torch.Tensor], buffers: Mapping[str, torch.Tensor]
 ) -> dict[str, Any]:
     """This rank's pieces and their layout (see [Note: sharded format]). No collectives."""
+    check_matched(layout, buffers, "sharded_state_dict()")
     tensors, where = {}, {}
     for unit, flat in zip(layout.units, flat_shards, strict=True):
         for param in unit.params:
@@ -123,6 +137,7 @@ def local_state(
         "tensors": tensors,
         "layout": where,
         "buffers": {k: to_cpu(buffers[k]) for k in layout.keys if k in buffers},
+        "aliases": {param.name: list(param.names[1:]) for _, param in layout.params() if len(param.names) > 1},
     }
 
 
@@ -134,7 +149,8 @@ def load_local_states(
     strict: bool = True,
 ) -> tuple[list[str], list[str]]:
     """Fills this rank's pieces from saved sharded state dicts of any world size (each read once, in any
-    order). No collectives. Returns (missing, unexpected) parameter names."""
+    order; a replica's, with the same world size and rank as one already read, is skipped: hybrid sharding
+    saves one per replica). No collectives. Returns (missing, unexpected) parameter names."""
     wanted = {
         param.name: unit.piece(param, flat)
         for unit, flat in zip(layout.units, flat_shards, strict=True)
@@ -143,15 +159,19 @@ def load_local_states(
     starts = {param.name: param.start for _, param in layout.params()}
     covered = dict.fromkeys(wanted, 0)
     unexpected: set[str] = set()
+    seen: set[tuple[int, int]] = set()
     with torch.no_grad():
-        for index, shard in enumerate(saved):
+        for shard in saved:
             check_format(shard)
+            if (shard["world_size"], shard["rank"]) in seen:
+                continue
+            seen.add((shard["world_size"], shard["rank"]))
             for fqn, value in shard["tensors"].items():
                 if fqn not in wanted:
                     unexpected.add(fqn)
                     continue
                 covered[fqn] += copy_overlap(wanted[fqn], starts[fqn], value, shard["layout"][fqn]["start"])
-            if index == 0:
+            if len(seen) == 1:
                 _load_buffers(buffers, shard["buffers"])
     incomplete = [f for f, piece in wanted.items() if covered[f] != piece.numel()]
     if strict and (incomplete or unexpected):

@@ -27,7 +27,8 @@ class ParamRef:
 
     Attributes:
         param: the original parameter (possibly on the meta device).
-        fqns: its names relative to the root module, in registration order.
+        fqns: its names relative to the root module, in registration order (the wrapper replaces them by
+            the root's ``state_dict()`` keys for it, see names [Note: state-dict keys are not parameter names]).
         holders: ``(module, attribute)`` pairs that hold it.
     """
 

@@ -8,6 +8,14 @@ it). So nothing imports ``_C`` at module level: whatever needs the engine calls 
 which turns the bare ``ModuleNotFoundError`` into an ``ImportError`` that says which case this is and
 which command builds the engine. ``Communicator`` calls it before any collective, so every rank fails
 the same way at the same point instead of leaving its peers waiting.
+
+[Note: forcing the reduce kernels]
+``HFREDUCE_KERNELS`` (``KERNELS_ENV``) chooses the engine's SIMD reduce kernels: ``generic`` (portable C++,
+what a CPU without AVX2 runs), ``avx2``, ``avx512``, or ``best`` (the default: the widest this CPU has). The
+engine reads it once, when ``_C`` is imported; a set this CPU cannot run, or an unknown name, fails that
+import with a message naming the sets it can run (an ``ImportError`` raised as it is, not explained as a
+missing build). Every set gives the same bits (tests/hfreduce/test_kernels.py checks each against torch), so
+forcing one shows that a result does not depend on the machine: ``HFREDUCE_KERNELS=generic make test``.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from pathlib import Path
 from types import ModuleType
 
 ENGINE_MODULE = "lightning_haiscale._C"
+KERNELS_ENV = "HFREDUCE_KERNELS"
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
@@ -27,12 +36,19 @@ def load_engine() -> ModuleType:
     try:
         return importlib.import_module(ENGINE_MODULE)
     except ImportError as exc:
+        if KERNELS_ENV in str(exc):  # built and loadable; the kernel choice was refused with its own message
+            raise
         raise ImportError(explain_missing_engine(exc, _PACKAGE_DIR), name=ENGINE_MODULE) from exc
 
 
 def simd_level() -> str:
     """The reduce kernels' instruction set, chosen at run time: ``"avx512"``, ``"avx2"`` or ``"generic"``."""
     return load_engine().simd_level()
+
+
+def simd_levels() -> list[str]:
+    """The reduce kernel sets this CPU runs, lowest first (``"generic"`` always): what ``HFREDUCE_KERNELS`` takes."""
+    return load_engine().simd_levels()
 
 
 def engine_cpu_seconds() -> float:

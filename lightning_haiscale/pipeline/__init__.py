@@ -1,4 +1,5 @@
-"""Pipeline parallelism in plain PyTorch: partition an ``nn.Sequential``, run GPipe, PipeDream or Interleaved1F1B.
+"""Pipeline parallelism in plain PyTorch: partition a network (an ``nn.Sequential`` between its layers, any
+other module between its blocks), run GPipe, PipeDream or Interleaved1F1B.
 
 ```python
 dp_group, pp_group = make_subgroups(pp_size=4)
@@ -9,22 +10,31 @@ losses, _ = model.forward_backward(x, criterion=lambda out, y: F.cross_entropy(o
 """
 
 from lightning_haiscale.pipeline.executor import PipelineCommunicationError
+from lightning_haiscale.pipeline.module_stage import ModuleStage
 from lightning_haiscale.pipeline.partition import SequentialModel, make_subgroups, partition
 from lightning_haiscale.pipeline.pipelines import GPipe, Interleaved1F1B, PipeDream, Pipeline, split_microbatches
 from lightning_haiscale.pipeline.schedule import Action, ActionType, build_schedule, format_grid
+from lightning_haiscale.pipeline.split import SplitPlan, find_blocks, plan_split
+from lightning_haiscale.pipeline.ties import Tie, TiedParameters
 
 __all__ = [
     "Action",
     "ActionType",
     "GPipe",
     "Interleaved1F1B",
+    "ModuleStage",
     "PipeDream",
     "Pipeline",
     "PipelineCommunicationError",
     "SequentialModel",
+    "SplitPlan",
+    "Tie",
+    "TiedParameters",
     "build_schedule",
+    "find_blocks",
     "format_grid",
     "make_subgroups",
     "partition",
+    "plan_split",
     "split_microbatches",
 ]

@@ -87,6 +87,8 @@ class StepConfig:
     forward_context: Callable[[], AbstractContextManager] | None = None
     buffers: p2p.BufferPool | None = None
     """Receive buffers reused across steps (see [Note: buffer reuse] in ``p2p``); None: fresh ones."""
+    calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]] | None = None
+    """Each microbatch's call of a split module, given to every stage (see ``ModuleStage``); None: none."""
 
 
 def check_stage_module(module: nn.Module) -> None:
@@ -189,13 +191,14 @@ class _Step:
         module = self.modules[stage // self.cfg.num_ranks]
         inputs = self._stage_inputs(stage, m)
         last = stage == self.cfg.num_stages - 1
+        call = {} if self.cfg.calls is None else {"call": self.cfg.calls[m]}
         with contextlib.ExitStack() as stack:
             if self.cfg.forward_context is not None and self.cfg.training:
                 stack.enter_context(self.cfg.forward_context())
             if self.cfg.training and self.cfg.checkpoint(m) and not last:
-                out = activation_checkpoint(module, *inputs, use_reentrant=False)
+                out = activation_checkpoint(module, *inputs, use_reentrant=False, **call)
             else:
-                out = module(*inputs)
+                out = module(*inputs, **call)
             loss = self.cfg.loss_fn(m, out) if last and self.cfg.loss_fn is not None else None
         if last:
             self._finish_last_forward(stage, m, inputs, out, loss)

@@ -210,7 +210,10 @@ class Op:
 
 def runs_concurrently(group: dist.ProcessGroup | None) -> bool:
     """Whether the group's backend runs transfers concurrently, each pair matched by order per link and
-    direction only (gloo), rather than one stream per rank in issue order (NCCL, and any other backend)."""
+    direction only (gloo), rather than one stream per rank in issue order (NCCL, and any other backend).
+    A pipeline of one rank without ``torch.distributed`` transfers nothing: either order serves."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
     return dist.get_backend(group) == dist.Backend.GLOO
 
 

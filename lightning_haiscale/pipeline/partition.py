@@ -1,4 +1,5 @@
-"""Cutting an ``nn.Sequential`` into pipeline stages, and the process groups of DP x PP."""
+"""Cutting a network (an ``nn.Sequential``, or any module: see ``pipeline.split``) into pipeline stages, and
+the process groups of DP x PP."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_haiscale.pipeline.balance import balanced_counts
+from lightning_haiscale.pipeline.module_stage import split_module
+from lightning_haiscale.pipeline.split import call_order, find_blocks, plan_split
+from lightning_haiscale.pipeline.ties import Tie, find_ties
+
 __all__ = ["SequentialModel", "make_subgroups", "partition", "stage_layer_counts"]
 
 log = logging.getLogger(__name__)
@@ -26,6 +32,14 @@ class SequentialModel(nn.Sequential):
     ``state_dict`` keys are the original module's keys and checkpoints map between partitions.
     """
 
+    stage: int | None = None  # its index among the pipeline's stages (set by ``partition``)
+    ties: list[Tie] = []
+
+    def local_ties(self) -> dict[Tie, nn.Parameter]:
+        """This stage's copy of each tied parameter it holds."""
+        mine = [(t, n) for t in self.ties for s, n in zip(t.stages, t.names, strict=True) if s == self.stage]
+        return {t: self.get_parameter(n) for t, n in mine}
+
     def forward(self, *inputs: Any) -> Any:
         x: Any = inputs if len(inputs) != 1 else inputs[0]
         for layer in self:
@@ -34,40 +48,69 @@ class SequentialModel(nn.Sequential):
 
 
 def partition(
-    module: nn.Sequential,
+    module: nn.Module,
     rank: int,
     world_size: int,
     balance: Sequence[int] | str | None = None,
     num_model_chunks: int = 1,
     *,
+    split_points: Sequence[str] | None = None,
     example_inputs: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
-) -> SequentialModel | list[SequentialModel]:
-    """Returns rank ``rank``'s stage of ``module`` (or its ``num_model_chunks`` chunks, interleaved order).
+) -> nn.Module | list[nn.Module]:
+    r"""Returns rank ``rank``'s stage of ``module`` (or its ``num_model_chunks`` chunks, interleaved order).
+
+    An ``nn.Sequential`` without ``split_points`` is cut between its layers (a ``SequentialModel``); any other
+    module is cut between the blocks of its largest block list, or at ``split_points`` (see
+    ``pipeline.split``), into ``ModuleStage``\ s that run the module's own forward. A parameter that stages on
+    two ranks share (a tied embedding and head) is kept equal by the pipeline (see ``pipeline.ties``).
 
     Args:
-        module: the whole network, an ``nn.Sequential``; every rank passes the same one.
-        balance: layers per stage (``world_size * num_model_chunks`` ints), ``None`` to balance
-            parameter counts, or ``"time"`` to balance the forward + backward time of each layer, measured
-            once on ``example_inputs`` (rank 0 of ``process_group`` measures and broadcasts, so every rank
-            cuts alike).
-        num_model_chunks: with ``V > 1`` the sequence is cut into ``world_size * V`` parts and rank ``r``
+        module: the whole network; every rank passes the same one.
+        balance: layers (blocks) per stage (``world_size * num_model_chunks`` ints), ``None`` to balance
+            parameter counts, or ``"time"`` (Sequential only) to balance the forward + backward time of each
+            layer, measured once on ``example_inputs`` (rank 0 of ``process_group`` measures and broadcasts,
+            so every rank cuts alike).
+        num_model_chunks: with ``V > 1`` the network is cut into ``world_size * V`` parts and rank ``r``
             gets parts ``r, r + world_size, ...`` (Interleaved1F1B's layout) as a list.
+        split_points: names of the blocks that begin each stage after the first (``["transformer.h.6"]``).
+        example_inputs, example_kwargs: a call of the module; with a split module, one traced call decides
+            which modules outside the blocks run before them (first stage) and after them (last stage).
     """
-    if not isinstance(module, nn.Sequential):
-        raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     if num_model_chunks < 1:
         raise ValueError(f"num_model_chunks={num_model_chunks} must be at least 1")
+    parts_count = world_size * num_model_chunks
+    if not isinstance(module, nn.Sequential) or split_points is not None:
+        if isinstance(balance, str):
+            raise ValueError(f"balance={balance!r} cuts an nn.Sequential; give a split module a list of block counts")
+        plan = plan_split(module, parts_count, split_points=split_points, balance=balance, before=_before(
+            module, split_points, example_inputs, example_kwargs))  # fmt: skip
+        stages = split_module(module, plan, list(range(rank, parts_count, world_size)))
+        return stages[0] if num_model_chunks == 1 else list(stages)
     counts = stage_layer_counts(
-        module, world_size * num_model_chunks, balance, example_inputs=example_inputs, process_group=process_group
+        module, parts_count, balance, example_inputs=example_inputs, process_group=process_group
     )
     items = list(module._modules.items())
     bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
     parts = [SequentialModel(OrderedDict(items[bounds[i] : bounds[i + 1]])) for i in range(len(counts))]
+    ties = find_ties(parts)
+    for index, part in enumerate(parts):
+        part.stage, part.ties = index, ties
     chunks = parts[rank::world_size]
     return chunks[0] if num_model_chunks == 1 else chunks
+
+
+def _before(
+    module: nn.Module, split_points: Sequence[str] | None, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None
+) -> set[str] | None:
+    """What runs before the blocks, from one traced call when there is an example; else by registration."""
+    if args is None and kwargs is None:
+        return None
+    blocks = split_points[0].rpartition(".")[0] if split_points else find_blocks(module)
+    return call_order(module, blocks, tuple(args or ()), dict(kwargs or {}))
 
 
 def stage_layer_counts(
@@ -83,9 +126,9 @@ def stage_layer_counts(
     if n < parts:
         raise ValueError(f"the module has {n} layers, fewer than the {parts} stages asked for; use fewer stages")
     if balance is None:
-        return _balanced_counts([sum(p.numel() for p in layer.parameters()) + 1 for layer in module], parts)
+        return balanced_counts([sum(p.numel() for p in layer.parameters()) + 1 for layer in module], parts)
     if balance == "time":
-        return _balanced_counts(_measured_times(module, example_inputs, process_group), parts)
+        return balanced_counts(_measured_times(module, example_inputs, process_group), parts)
     if isinstance(balance, str):
         raise ValueError(f"balance={balance!r} is unknown; pass None, 'time' or a list of layer counts")
     if any(isinstance(c, bool) or not isinstance(c, numbers.Integral) for c in balance):
@@ -96,30 +139,6 @@ def stage_layer_counts(
             f"balance={list(balance)} must be {parts} positive layer counts (stages x model chunks) summing to {n}"
         )
     return counts
-
-
-def _balanced_counts(weights: Sequence[float], parts: int) -> list[int]:
-    """Contiguous cut of ``weights`` into ``parts`` non-empty runs minimizing the heaviest run (exact DP)."""
-    n = len(weights)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[k][i]: the lightest heaviest-run over cuts of the first i layers into k runs; cut[k][i]: last cut.
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    counts, i = [], n
-    for k in range(parts, 0, -1):
-        counts.append(i - cut[k][i])
-        i = cut[k][i]
-    return counts[::-1]
 
 
 def _measured_times(

@@ -20,7 +20,9 @@ from lightning_haiscale.pipeline.executor import (
     issue_order,
     run_actions,
 )
+from lightning_haiscale.pipeline.module_stage import ModuleStage
 from lightning_haiscale.pipeline.p2p import BufferPool
+from lightning_haiscale.pipeline.partition import SequentialModel
 from lightning_haiscale.pipeline.schedule import (
     Action,
     Batch,
@@ -30,6 +32,7 @@ from lightning_haiscale.pipeline.schedule import (
     interleaved_order,
     one_f_one_b_order,
 )
+from lightning_haiscale.pipeline.ties import TiedParameters
 
 __all__ = [
     "GPipe",
@@ -150,6 +153,8 @@ class Pipeline(nn.Module):
         self._programs: dict[tuple[int, bool, bool], list[Action | Batch]] = {}  # this rank's, per step kind
         self._receive_buffers = BufferPool()  # receive buffers kept between steps, as torch's PipelineStage keeps its
         self.peak_live = 0
+        self.tied = _tied_parameters(modules, process_group)
+        self.tied.broadcast_()  # tied copies start equal: the first holder's value
         self.schedule(chunks)  # build and check the training schedule now: errors before any step
 
     @property
@@ -181,7 +186,11 @@ class Pipeline(nn.Module):
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, as haiscale's scripts call it, clips
         each stage by its own stage's norm instead (no communication), as it did under haiscale.
         """
-        return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.process_group)
+        params = list(self.parameters())
+        counted = [p for p in params if not self.tied.is_duplicate(p)]  # a tied parameter counts once
+        total = clip_grad_norm_(counted, max_norm, norm_type, self.process_group)
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if self.tied.is_duplicate(p)], max_norm, total)
+        return total
 
     def forward_backward(
         self,
@@ -190,6 +199,7 @@ class Pipeline(nn.Module):
         labels: Sequence[Any] = (),
         return_outputs: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
+        kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[torch.Tensor | None, Any]:
         """Forward and backward of one batch, split along dim 0 into ``chunks`` microbatches (haiscale's API).
 
@@ -210,14 +220,17 @@ class Pipeline(nn.Module):
                 "gradients enabled, or use model(*inputs) for pipelined evaluation"
             )
         _check_labels(inputs, labels)
-        batches = split_microbatches(inputs, self.chunks) if inputs else None
+        calls = self._calls(inputs, dict(kwargs or {}), even=True)
+        batches = split_microbatches(inputs, self.chunks) if inputs and calls is None else None
+        batches = [()] * self.chunks if calls is not None else batches
         label_batches = split_microbatches(tuple(labels), self.chunks)
 
         def loss_fn(m: int, out: Any) -> torch.Tensor:
-            return criterion(*(out if isinstance(out, tuple) else (out,)), *label_batches[m])
+            outs = out if isinstance(out, tuple) and calls is None else (out,)  # a module's output is one value
+            return criterion(*outs, *label_batches[m])
 
         result = self.run_microbatches(
-            batches, loss_fn, loss_scale=1.0, keep_outputs=return_outputs, grad_scaler=grad_scaler
+            batches, loss_fn, loss_scale=1.0, keep_outputs=return_outputs, grad_scaler=grad_scaler, calls=calls
         )
         if not self.is_last_stage:
             return None, None
@@ -233,33 +246,70 @@ class Pipeline(nn.Module):
         keep_outputs: bool = False,
         uneven: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
+        calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
     ) -> StepResult:
         """One training step over already-split ``microbatches`` (first stage) with a custom ``loss_fn``.
 
         ``loss_fn(m, output)`` runs on the last stage; the backward of microbatch ``m`` starts from
         ``loss_fn(m, output) * loss_scale``, scaled by ``grad_scaler`` when given. ``uneven``: the microbatches'
-        shapes differ within the step, so each carries its shape header (every rank passes the same value). The
-        Lightning strategies use this entry point.
+        shapes differ within the step, so each carries its shape header (every rank passes the same value).
+        ``calls[m]``: microbatch ``m``'s ``(args, kwargs)`` of a split module's forward, on every rank (see
+        ``ModuleStage``). The Lightning strategies use this entry point. Tied parameters' gradients are summed
+        over their stages at the end (outside ``no_sync``).
         """
         config = self._config(
             self.chunks, training=True, loss_fn=loss_fn, loss_scale=loss_scale, keep=keep_outputs, uneven=uneven
         )
-        config.grad_scaler = grad_scaler
+        config.grad_scaler, config.calls = grad_scaler, calls
         result = self._run(self.chunks, False, microbatches, config)
         self.peak_live = result.peak_live
+        if self._sync_grads:
+            self.tied.reduce_gradients_()
         return result
 
-    def forward(self, *inputs: Any, microbatches: int | None = None) -> Any:
+    def forward(self, *inputs: Any, microbatches: int | None = None, kwargs: Mapping[str, Any] | None = None) -> Any:
         """Pipelined evaluation (no gradients): the output joined along dim 0 on the last stage, else ``None``.
 
-        The batch is split into ``chunks`` microbatches (sizes may differ by one), or ``microbatches``.
+        The batch is split into ``chunks`` microbatches (sizes may differ by one), or ``microbatches``. A split
+        module's keywords come as ``kwargs``; its outputs that are not tensors come as a list, one per microbatch.
         """
         n = microbatches or self.chunks
-        batches = split_microbatches(inputs, n, even=False) if inputs else None
+        calls = self._calls(inputs, dict(kwargs or {}), even=False, n=n)
+        batches = [()] * n if calls is not None else split_microbatches(inputs, n, even=False) if inputs else None
         config = self._config(n, training=False, loss_fn=None, loss_scale=1.0, keep=True, uneven=True)
+        config.calls = calls
         with torch.no_grad():
             result = self._run(n, True, batches, config)
         return _join(result.outputs, n) if self.is_last_stage else None
+
+    @property
+    def min_microbatches(self) -> int:
+        """The fewest microbatches a step of this schedule takes (Interleaved1F1B: one per rank)."""
+        return self.num_ranks if len(self.stages) > 1 else 1
+
+    def run_forward(self, calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        """Pipelined evaluation of a split module's already-split ``calls`` (every rank): the last stage's output
+        of each microbatch, else an empty list."""
+        n = len(calls)
+        config = self._config(n, training=False, loss_fn=None, loss_scale=1.0, keep=True, uneven=True)
+        config.calls = calls
+        with torch.no_grad():
+            result = self._run(n, True, [()] * n, config)
+        return [result.outputs[m] for m in range(n)] if self.is_last_stage else []
+
+    @property
+    def runs_whole_module(self) -> bool:
+        """True for stages of a split module: every stage gets the module's call (see ``ModuleStage``)."""
+        return any(isinstance(getattr(m, "module", m), ModuleStage) for m in self.stages)
+
+    def _calls(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], even: bool, n: int | None = None
+    ) -> list[tuple[tuple[Any, ...], dict[str, Any]]] | None:
+        if not self.runs_whole_module:
+            if kwargs:
+                raise TypeError(f"keyword inputs {sorted(kwargs)} need a split module's stages, not a Sequential's")
+            return None
+        return [tuple(c) for c in split_batch((tuple(inputs), dict(kwargs)), n or self.chunks, even)]
 
     def _config(
         self, n: int, training: bool, loss_fn: LossFn | None, loss_scale: float, keep: bool, uneven: bool
@@ -378,8 +428,21 @@ def _check_labels(inputs: Sequence[Any], labels: Sequence[Any]) -> None:
         )
 
 
+def _tied_parameters(modules: Sequence[nn.Module], group: dist.ProcessGroup | None) -> TiedParameters:
+    """The ties ``partition`` recorded on the stages (under a data-parallel wrapper's ``module``), if any."""
+    ties, local = [], {}
+    for module in modules:
+        stage = getattr(module, "module", module)
+        if isinstance(stage, (SequentialModel, ModuleStage)):
+            ties = stage.ties or ties
+            local.update(stage.local_ties())
+    return TiedParameters(ties, local, group)
+
+
 def _join(outputs: dict[int, Any], n: int) -> Any:
     parts = [outputs[m] for m in range(n)]
+    if not torch.is_tensor(parts[0]) and not isinstance(parts[0], tuple):
+        return parts
     if isinstance(parts[0], tuple):
         return tuple(torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
     return torch.cat(parts)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_number", "check_timeout"]
+from lightning.pytorch.strategies import Strategy
+
+__all__ = ["check_bool", "check_choice", "check_int", "check_number", "check_timeout", "strategy_repr"]
 
 
 def _kind(value: Any) -> str:
@@ -51,3 +53,15 @@ def check_timeout(value: Any) -> timedelta | None:
     if value <= timedelta(0):
         raise ValueError(f"timeout={value} must be positive")
     return value
+
+
+def strategy_repr(strategy: Any, peer: str) -> str:
+    """A strategy's ``repr`` that names its class and the class of the other Lightning layer (``peer``).
+
+    The Trainer and Fabric have one strategy class each per technique, under the same name. Given the other
+    layer's instance, Lightning refuses it with "invalid strategy name: `strategy=<repr>`": this ``repr`` makes
+    that message name the class to use instead.
+    """
+    cls = type(strategy)
+    layer, other = ("the Trainer", "Fabric") if isinstance(strategy, Strategy) else ("Fabric", "the Trainer")
+    return f"<{cls.__module__}.{cls.__qualname__}: a strategy for {layer}; {other} takes {peer}>"

@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.hfreduce import Communicator, abort_job
-from lightning_haiscale.strategies.arguments import check_bool, check_choice, check_number, check_timeout
+from lightning_haiscale.strategies.arguments import check_bool, check_choice, check_number, check_timeout, strategy_repr
 from lightning_haiscale.strategies.parallel import init_dist_connection, register_once
 
 __all__ = ["HaiDDPStrategy", "hai_ddp_options", "wrap_hai_ddp"]
@@ -93,6 +93,9 @@ class HaiDDPStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._hai_kwargs = hai_kwargs
+
+    def __repr__(self) -> str:
+        return strategy_repr(self, "lightning_haiscale.fabric.HaiDDPStrategy")
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:

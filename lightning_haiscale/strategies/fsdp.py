@@ -24,24 +24,27 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from typing_extensions import override
 
 from lightning_haiscale.checkpoint_files import folder_checkpoint
-from lightning_haiscale.fsdp import (
-    BackwardPrefetch,
-    FullyShardedDataParallel,
-    MixedPrecision,
-)
+from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
+from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
-from lightning_haiscale.fsdp.wrap import AutoWrapPolicy, check_policy
-from lightning_haiscale.hfreduce import Communicator
-from lightning_haiscale.strategies.arguments import check_bool, check_choice
+from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
+from lightning_haiscale.strategies.arguments import check_choice, strategy_repr
+from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
 
-__all__ = ["HaiFSDPStrategy", "hai_fsdp_options", "wrap_hai_fsdp"]
+__all__ = ["HaiFSDPStrategy"]
 
 log = logging.getLogger(__name__)
 
@@ -56,32 +59,99 @@ class HaiFSDPStrategy(HaiParallelStrategy):
     one unit at a time while it is sharded, so it never exists whole on one rank; build the optimizer in
     ``configure_optimizers`` from ``self.parameters()`` as usual (it sees this rank's pieces).
 
+    Takes every keyword of Lightning's ``FSDPStrategy``, in its order, after its own three; each is honoured or
+    refused when the strategy is built (see ``strategies.fsdp_options`` [Note: what each FSDPStrategy keyword
+    becomes]). This is the Trainer's class: Fabric takes ``lightning_haiscale.fabric.HaiFSDPStrategy``.
+
     Args:
-        auto_wrap_policy: which submodules become units (torch's wrap policies or a set of module classes).
-        backward_prefetch: when backward prefetches the next unit's parameters.
+        backward_prefetch: when backward prefetches the next unit's parameters (ours or torch's enum).
         reshard_after_forward: free each unit's parameters after its forward.
-        state_dict_type: ``"full"`` (one file, rank 0) or ``"sharded"`` (a folder, one file per rank).
-        param_init_fn: ``fn(module)`` initializing meta-device parameters (default ``reset_parameters()``).
-        **kwargs: passed to :class:`HaiParallelStrategy`: ``timeout`` (deadline of the process group and of the
-            engine's waits), ``process_group_backend``, and what the Trainer sets.
+        param_init_fn: ``fn(module)`` initializing meta-device parameters (default: the model's own
+            initialization, see ``fsdp.deferred_init``).
+        timeout: deadline of the process group and of the engine's waits.
+        process_group_backend: torch.distributed backend (default: gloo on CPU, nccl on CUDA).
+        cpu_offload: ``True`` or torch's ``CPUOffload``: shards and gradients in host memory (CUDA; no effect on CPU).
+        mixed_precision: torch's ``MixedPrecision`` (or ours); wins over the Trainer's ``precision``.
+        auto_wrap_policy: which submodules become units (torch's wrap policies or a set of module classes).
+        activation_checkpointing: deprecated spelling of ``activation_checkpointing_policy`` (classes).
+        activation_checkpointing_policy: the modules whose activations backward recomputes (classes or a policy).
+        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"`` or
+            ``"_HYBRID_SHARD_ZERO2"`` (or torch's enum).
+        state_dict_type: ``"full"`` (one file, rank 0) or ``"sharded"`` (a ``torch.distributed.checkpoint`` folder).
+        device_mesh: for the hybrid strategies, ``(replicate, shard)`` or a 2-D ``DeviceMesh``; default: shard
+            within each host, replicate across hosts.
+        limit_all_gathers, forward_prefetch, use_orig_params, sync_module_states, ignored_modules: torch FSDP's,
+            passed to the wrapper (``None``: its default). Lightning takes them in ``**kwargs``; named here,
+            LightningCLI shows and parses them.
+        **kwargs: any other name raises, saying why.
     """
 
     strategy_name = "hai_fsdp"
 
     def __init__(
         self,
-        auto_wrap_policy: AutoWrapPolicy | None = None,
         backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
         reshard_after_forward: bool = True,
-        state_dict_type: Literal["full", "sharded"] = "full",
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: bool | CPUOffload | None = None,
+        mixed_precision: TorchMixedPrecision | MixedPrecision | None = None,
+        auto_wrap_policy: AutoWrapPolicy | None = None,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
+        activation_checkpointing_policy: CheckpointPolicy | None = None,
+        sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
+        state_dict_type: Literal["full", "sharded"] = "full",
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        *,
+        limit_all_gathers: bool | None = None,
+        forward_prefetch: bool | None = None,
+        use_orig_params: bool | None = None,
+        sync_module_states: bool | None = None,
+        ignored_modules: list[nn.Module] | None = None,
         **kwargs: Any,
     ) -> None:
         check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
-        options = hai_fsdp_options(auto_wrap_policy, backward_prefetch, reshard_after_forward, param_init_fn)
-        super().__init__(**kwargs)
+        options = hai_fsdp_options(
+            backward_prefetch=backward_prefetch,
+            reshard_after_forward=reshard_after_forward,
+            param_init_fn=param_init_fn,
+            cpu_offload=cpu_offload,
+            mixed_precision=mixed_precision,
+            auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            sharding_strategy=sharding_strategy,
+            device_mesh=device_mesh,
+            kwargs={
+                **kwargs,
+                "limit_all_gathers": limit_all_gathers,
+                "forward_prefetch": forward_prefetch,
+                "use_orig_params": use_orig_params,
+                "sync_module_states": sync_module_states,
+                "ignored_modules": ignored_modules,
+            },
+        )
+        super().__init__(
+            timeout=timeout or default_pg_timeout,
+            process_group_backend=process_group_backend,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self.state_dict_type = state_dict_type
-        self._fsdp_kwargs = options
+        self.sharding_strategy = options.sharding_strategy
+        self._fsdp_options = options
+
+    def __repr__(self) -> str:
+        return strategy_repr(self, "lightning_haiscale.fabric.HaiFSDPStrategy")
 
     @property
     @override
@@ -120,7 +190,7 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         if isinstance(existing, FullyShardedDataParallel):
             return existing
         precision = self.precision_plugin.precision
-        wrapped = wrap_hai_fsdp(model, self.root_device, self._timeout, precision, self._fsdp_kwargs)
+        wrapped = wrap_hai_fsdp(model, self.root_device, self._timeout, precision, self._fsdp_options)
         model.__dict__[_WRAPPER_ATTR] = wrapped  # not a submodule: plain attribute
         return wrapped
 
@@ -160,7 +230,7 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         model_shard, optim_shards = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         with folder_checkpoint(path, publisher=self.is_global_zero, barrier=self.barrier) as staging:
-            save_dcp(staging, model_shard, optim_shards, self._wrapper().comm.group)  # creates the folder
+            save_dcp(staging, model_shard, optim_shards, self._wrapper().process_group)  # creates the folder
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, staging / _META_FILE, storage_options=storage_options)
 
@@ -218,38 +288,6 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         self.precision_plugin.teardown()
         if self.accelerator is not None:
             self.accelerator.teardown()
-
-
-def hai_fsdp_options(
-    auto_wrap_policy: Any, backward_prefetch: Any, reshard_after_forward: Any, param_init_fn: Any
-) -> dict[str, Any]:
-    """The wrapper's options, checked (shared by the Trainer and Fabric strategies)."""
-    check_policy(auto_wrap_policy)
-    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-        raise TypeError(
-            f"backward_prefetch={backward_prefetch!r} must be None, BackwardPrefetch.BACKWARD_PRE or BACKWARD_POST"
-        )
-    check_bool("reshard_after_forward", reshard_after_forward)
-    if param_init_fn is not None and not callable(param_init_fn):
-        raise TypeError(f"param_init_fn={param_init_fn!r} must be a function fn(module) or None")
-    return {
-        "auto_wrap_policy": auto_wrap_policy,
-        "backward_prefetch": backward_prefetch,
-        "reshard_after_forward": reshard_after_forward,
-        "param_init_fn": param_init_fn,
-    }
-
-
-def wrap_hai_fsdp(
-    module: nn.Module, device: torch.device, timeout: timedelta, precision: str, options: dict[str, Any]
-) -> FullyShardedDataParallel:
-    """Shards ``module`` on an engine with the strategy's ``timeout``. bf16-mixed gathers and reduces in bf16
-    (half the traffic); autocast still runs the ops."""
-    mixed = None
-    if precision == "bf16-mixed":
-        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=False)
-    engine = Communicator(timeout=timeout)
-    return FullyShardedDataParallel(module, mixed_precision=mixed, device_id=device, communicator=engine, **options)
 
 
 def _mmap(path: Path, weights_only: bool) -> dict[str, Any]:

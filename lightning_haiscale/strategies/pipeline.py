@@ -1,14 +1,15 @@
 """``GPipeStrategy`` ("hai_gpipe"), ``PipeDreamStrategy`` ("hai_pipedream"), ``Interleaved1F1BStrategy``
 ("hai_interleaved_1f1b"): Lightning adapters over ``lightning_haiscale.pipeline``.
 
-The strategy holds the DP x PP topology and the stage surgery (the module's ``nn.Sequential`` is replaced by a
-``StageProxy`` of this rank's layers); the step protocol lives in ``strategies.pipeline_step`` (see its
-notes on capture and replay and on automatic optimization) and the checkpoint format in
-``strategies.pipeline_checkpoint``.
+The strategy holds the DP x PP topology and hands the rest to modules named for their idea: finding the network
+and cutting it (``strategies.pipeline_network``: a Sequential between its layers, any other module between
+its blocks), the step protocol (``strategies.pipeline_step``: capture and replay, automatic optimization), the
+checkpoint format (``strategies.pipeline_checkpoint``) and the arguments' checks.
 
-[Note: supported step forms] The network is the LightningModule's one ``nn.Sequential`` attribute (or
-``module_name=``). Steps run unmodified through capture and replay: the step must call the network
-exactly once (``out = self(x)`` with ``forward`` calling it, or ``self.net(x)``), batch rows must be
+[Note: supported step forms] The network is the LightningModule's one ``nn.Sequential`` attribute, the
+attribute holding the largest block list, or ``module_name=`` / ``split_points=``. Steps run unmodified
+through capture and replay: the step must call the network exactly once (``out = self(x)`` with
+``forward`` calling it, ``self.net(x)``, or ``self.model(input_ids=x, labels=y).loss``), batch rows must be
 independent, ``training_step`` must return the loss tensor (or a dict with ``"loss"``) under automatic
 optimization, and values given to ``self.log`` are averaged over microbatches. Anything else raises with
 the reason. The loss and logs of the last stage are broadcast to its pipeline and logged on every rank, so
@@ -24,11 +25,7 @@ callbacks.
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
-import secrets
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -38,23 +35,21 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
-from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups, partition
-from lightning_haiscale.strategies import pipeline_checkpoint as stage_files
-from lightning_haiscale.strategies.arguments import check_choice, check_int
+from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
-from lightning_haiscale.strategies.pipeline_step import PipelinedStep, StageProxy, capture_inputs
+from lightning_haiscale.strategies.pipeline_arguments import check_pipeline_arguments
+from lightning_haiscale.strategies.pipeline_checkpoint import PipelineCheckpoints
+from lightning_haiscale.strategies.pipeline_network import Network, find_network, first_batch_inputs, split_network
+from lightning_haiscale.strategies.pipeline_step import ForwardStandIn, PipelinedStep, StageProxy
 
 __all__ = ["GPipeStrategy", "Interleaved1F1BStrategy", "PipeDreamStrategy"]
 
-log = logging.getLogger(__name__)
 
-
-class _PipelineStrategy(HaiParallelStrategy):
+class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
     """What the three pipeline strategies share; subclasses only build their pipeline.
 
     Args:
@@ -65,8 +60,11 @@ class _PipelineStrategy(HaiParallelStrategy):
             ``example_inputs``) to balance measured layer time.
         num_model_chunks: model chunks per rank (interleaved schedules).
         checkpoint: activation checkpointing policy of GPipe (``"never"``, ``"always"``, ``"except_last"``).
-        module_name: the attribute holding the ``nn.Sequential`` (found when there is exactly one).
+        module_name: the attribute holding the network (found when there is exactly one ``nn.Sequential``, else
+            the attribute holding the largest block list).
         example_inputs: a batch's network inputs, for ``balance="time"``.
+        split_points: names of the blocks that begin each stage after the first, from the LightningModule
+            (``["model.transformer.h.6"]``): cuts any module at its blocks (see ``pipeline_network``).
         **kwargs: passed to :class:`HaiParallelStrategy`: ``timeout`` (for every collective and point-to-point
             transfer), ``process_group_backend``, and what the Trainer sets.
     """
@@ -84,10 +82,16 @@ class _PipelineStrategy(HaiParallelStrategy):
         checkpoint: str = "never",
         module_name: str | None = None,
         example_inputs: tuple[Any, ...] | None = None,
+        split_points: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._check_arguments(chunks, pp_size, balance, num_model_chunks, checkpoint, module_name, example_inputs)
+        check_pipeline_arguments(
+            type(self).__name__, self.interleaved, isinstance(self, GPipeStrategy), chunks=chunks, pp_size=pp_size,
+            balance=balance, num_model_chunks=num_model_chunks, checkpoint=checkpoint, module_name=module_name,
+            example_inputs=example_inputs, split_points=split_points,
+        )  # fmt: skip
+        self.split_points = list(split_points) if split_points is not None else None
         self.chunks, self.pp_size, self.balance = chunks, pp_size, balance
         self.num_model_chunks, self.checkpoint, self.module_name = num_model_chunks, checkpoint, module_name
         self._example_inputs = example_inputs
@@ -97,37 +101,9 @@ class _PipelineStrategy(HaiParallelStrategy):
         self._pipeline: Pipeline | None = None
         self._step: PipelinedStep | None = None
         self._saved_layers: list[str] | None = None
+        self._stage_files: tuple[Any, range, bool | None, str | None] = ("", range(0), None, None)  # load_checkpoint
+        self._network: Network | None = None
         self._forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
-
-    def _check_arguments(
-        self,
-        chunks: Any,
-        pp_size: Any,
-        balance: Any,
-        num_model_chunks: Any,
-        checkpoint: Any,
-        module_name: Any,
-        example_inputs: Any,
-    ) -> None:
-        """Each argument's type and range, and the pairs that cannot go together, before anything starts."""
-        name = type(self).__name__
-        check_int("chunks", chunks, 1, "the number of microbatches per batch, e.g. chunks=4")
-        if pp_size is not None:
-            check_int("pp_size", pp_size, 1, "stages per pipeline, or pp_size=None for one pipeline over the world")
-        check_int("num_model_chunks", num_model_chunks, 1)
-        if num_model_chunks != 1 and not self.interleaved:
-            raise ValueError(
-                f"num_model_chunks={num_model_chunks}: {name} runs one model chunk per rank; use "
-                "Interleaved1F1BStrategy for several"
-            )
-        check_choice("checkpoint", checkpoint, ("never", "always", "except_last"))
-        if checkpoint != "never" and not isinstance(self, GPipeStrategy):
-            raise ValueError(f"checkpoint={checkpoint!r} is GPipe's activation checkpointing; use GPipeStrategy")
-        _check_balance(balance, None if pp_size is None else pp_size * num_model_chunks)
-        if module_name is not None and not isinstance(module_name, str):
-            raise TypeError(f"module_name={module_name!r} must be the name of the module's nn.Sequential attribute")
-        if example_inputs is not None and not isinstance(example_inputs, tuple):
-            raise TypeError(f"example_inputs={example_inputs!r} must be a tuple of the network's inputs, e.g. (x,)")
 
     # ----- topology ----------------------------------------------------------------------------------
 
@@ -148,6 +124,11 @@ class _PipelineStrategy(HaiParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every stage of a pipeline reads the same batch: shard by data-parallel rank."""
         return {"num_replicas": self.world_size // self.stages_per_pipeline, "rank": self.dp_rank}
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """This rank's pipeline's process group (after ``setup_environment``)."""
+        return self._pp_group
 
     @property
     def pipeline(self) -> Pipeline | None:
@@ -193,7 +174,7 @@ class _PipelineStrategy(HaiParallelStrategy):
         self._pipeline = self._build_pipeline(self._wrap_stages(fitting))
         self._pipeline.forward_context = self.forward_context
         module, group, device = self.lightning_module, self._pp_group, self.root_device
-        self._step = PipelinedStep(module, self.module_name, self._pipeline, group, device)
+        self._step = PipelinedStep(module, self.module_name, self._network.proxy, self._pipeline, group, device)
         if fitting:
             self._step.take_over_zero_grad()
             self.setup_optimizers(trainer)
@@ -202,62 +183,25 @@ class _PipelineStrategy(HaiParallelStrategy):
             self._optimizer_states_to_device()
 
     def _install_proxy(self) -> None:
-        """Replaces the module's network by a ``StageProxy`` of this rank's layers (once per module)."""
+        """Cuts the module's network into this rank's stages (once per module); see ``pipeline_network``."""
         module = self.lightning_module
-        name = self.module_name or _find_network(module)
-        network = getattr(module, name)
-        if isinstance(network, StageProxy):
-            if not self._stages:
-                raise RuntimeError(
-                    f"{type(module).__name__}.{name} was partitioned by another pipeline strategy; load the full "
-                    "checkpoint into a fresh module to train it with a new one"
-                )
+        if self._network is not None:
             return
-        if not isinstance(network, nn.Sequential):
-            raise TypeError(f"{type(module).__name__}.{name} must be an nn.Sequential, got {type(network).__name__}")
+        name = find_network(module, self.module_name, self.split_points)
+        network = getattr(module, name)
+        if isinstance(network, StageProxy) or isinstance(network.__dict__.get("forward"), ForwardStandIn):
+            raise RuntimeError(
+                f"{type(module).__name__}.{name} was partitioned by another pipeline strategy; load the full "
+                "checkpoint into a fresh module to train it with a new one"
+            )
         example_inputs = self._example_inputs
-        if self.balance == "time" and example_inputs is None:
-            example_inputs = self._first_batch_inputs(name, network)
+        if self.balance == "time" and example_inputs is None and isinstance(network, nn.Sequential):
+            example_inputs = first_batch_inputs(self, name, network)
         if self.balance == "time":  # profile on the device the stages will run on (see partition's note)
             example_inputs = move_data_to_device(example_inputs, self.root_device)
-        parts = partition(
-            network,
-            self.pp_rank,
-            self.stages_per_pipeline,
-            self.balance,
-            self.num_model_chunks,
-            example_inputs=example_inputs,
-            process_group=self._pp_group,
-        )
-        self._stages = parts if isinstance(parts, list) else [parts]
-        layers = OrderedDict(item for stage in self._stages for item in stage._modules.items())
-        setattr(module, name, StageProxy(layers))
+        self._network = split_network(self, name, self.split_points, example_inputs)
+        self._stages = self._network.stages
         self.module_name = name
-
-    def _first_batch_inputs(self, name: str, network: nn.Sequential) -> tuple[Any, ...]:
-        """``balance="time"`` without ``example_inputs``: the network's inputs for the first training batch,
-        found by running ``training_step`` up to the network call (as every step is captured)."""
-        module = self.lightning_module
-        trainer = module.trainer
-        if trainer.state.fn != TrainerFn.FITTING:
-            raise ValueError(
-                f"balance='time' profiles the layers on the first training batch; to {trainer.state.fn} a module "
-                "never partitioned by this strategy, pass example_inputs=(a batch's network inputs,)"
-            )
-        trainer.fit_loop.setup_data()  # the loop reuses it: the dataloader is requested once
-        if trainer.train_dataloader is None:
-            raise ValueError("balance='time' needs example_inputs=(a batch's network inputs,) or a training dataloader")
-        loader = iter(CombinedLoader(trainer.train_dataloader, "max_size_cycle"))
-        batch = next(loader)[0]
-        proxy = StageProxy(OrderedDict(network._modules.items()))
-        setattr(module, name, proxy)
-        try:
-            inputs = capture_inputs(module, proxy, module.training_step, (batch, 0), {})
-        finally:
-            setattr(module, name, network)
-        if inputs is not None:
-            return inputs
-        raise RuntimeError(f"training_step never called the network {name!r}, so balance='time' has nothing to time")
 
     def _wrap_stages(self, fitting: bool) -> list[nn.Module]:
         if not fitting or self.world_size == self.stages_per_pipeline:
@@ -317,69 +261,6 @@ class _PipelineStrategy(HaiParallelStrategy):
     def _gradient_synchronizer(self) -> Pipeline | None:
         return self._pipeline  # block_backward_sync enters its no_sync()
 
-    # ----- checkpoints -------------------------------------------------------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full module's state dict, gathered from the stages of this rank's pipeline."""
-        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
-        if self.stages_per_pipeline == 1:
-            return local
-        parts: list[Any] = [None] * self.stages_per_pipeline
-        dist.all_gather_object(parts, local, group=self._pp_group)
-        return {k: v for part in parts for k, v in part.items()}
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
-    ) -> None:
-        """See [Note: stage files] and [Note: one save, many files] in ``pipeline_checkpoint``."""
-        save_id = self.broadcast(secrets.token_hex(8))
-        if self.dp_rank == 0:
-            stage = stage_files.stage_checkpoint(self._proxy.state_dict(), self.module_name, checkpoint, save_id)
-            uncommitted = stage_files.stage_path(filepath, self.pp_rank, save_id)  # checkpoint_io creates the folder
-            self.checkpoint_io.save_checkpoint(stage, uncommitted, storage_options)
-        self.barrier()
-        if self.is_global_zero:
-            full = stage_files.full_checkpoint(checkpoint, self.stages_per_pipeline, self.num_model_chunks, save_id)
-            self.checkpoint_io.save_checkpoint(full, filepath, storage_options=storage_options)
-        self.barrier()
-        if self.dp_rank == 0:
-            os.replace(uncommitted, stage_files.stage_path(filepath, self.pp_rank))
-            for leftover in stage_files.stage_files_of(filepath, self.pp_rank)[1:]:
-                os.remove(leftover)
-
-    @override
-    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
-        for stage_file in stage_files.stage_files_of(filepath, self.pp_rank) if self.dp_rank == 0 else []:
-            os.remove(stage_file)
-        super().remove_checkpoint(filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
-        """The full checkpoint, with this stage's optimizer states when its stage file matches this layout."""
-        checkpoint = dict(self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only))
-        save_id = checkpoint.get("pipeline", {}).get("save_id")
-        self._saved_layers, checkpoint["optimizer_states"] = stage_files.load_stage_file(
-            self.checkpoint_io, checkpoint_path, self.pp_rank, weights_only, save_id
-        )
-        return checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Restores optimizers only from a stage file of this very layout (same layers on this rank)."""
-        if self._saved_layers != sorted(self._proxy.state_dict()):
-            log.info("the checkpoint has no optimizer states for this stage layout: optimizers start fresh")
-            return
-        super().load_optimizer_state_dict(checkpoint)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Loads this stage's slice of a full state dict (from any number of stages, or none)."""
-        module = self.lightning_module
-        state = stage_files.stage_slice(checkpoint["state_dict"], module.state_dict().keys(), strict)
-        module.load_state_dict(state, strict=strict)
-
     @override
     def teardown(self) -> None:
         for stage in self._pipeline.stages if self._pipeline is not None else []:
@@ -430,27 +311,6 @@ class Interleaved1F1BStrategy(_PipelineStrategy):
     @override
     def _build_pipeline(self, stages: list[nn.Module]) -> Pipeline:
         return Interleaved1F1B(stages, self.chunks, self._pp_group)
-
-
-def _check_balance(balance: Any, parts: int | None) -> None:
-    if balance is None or balance == "time":
-        return
-    if isinstance(balance, str) or not isinstance(balance, Sequence):
-        raise ValueError(f"balance={balance!r} must be None, 'time' or a list of layer counts per stage")
-    if not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in balance):
-        raise ValueError(f"balance={list(balance)} must hold positive integer layer counts")
-    if parts is not None and len(balance) != parts:
-        raise ValueError(f"balance={list(balance)} must have pp_size x num_model_chunks = {parts} layer counts")
-
-
-def _find_network(module: nn.Module) -> str:
-    names = [n for n, child in module.named_children() if isinstance(child, nn.Sequential)]
-    if len(names) != 1:
-        raise ValueError(
-            f"{type(module).__name__} has {len(names)} nn.Sequential attributes ({names}); pipeline strategies need "
-            "exactly one, or module_name= naming the network"
-        )
-    return names[0]
 
 
 for _strategy in (GPipeStrategy, PipeDreamStrategy, Interleaved1F1BStrategy):

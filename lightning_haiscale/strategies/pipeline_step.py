@@ -44,25 +44,31 @@ from torch import nn
 from lightning_haiscale.pipeline import Pipeline, SequentialModel
 from lightning_haiscale.pipeline.pipelines import batch_rows, microbatch_sizes, split_batch
 
-__all__ = ["InputsCaptured", "LogRecorder", "PipelinedStep", "StageProxy", "capture_inputs", "shadowed"]
+__all__ = [
+    "ForwardStandIn",
+    "InputsCaptured",
+    "LogRecorder",
+    "PipelinedStep",
+    "StageProxy",
+    "capture_inputs",
+    "shadowed",
+]
 
 _IDLE, _CAPTURE, _REPLAY = range(3)
 
 
 class InputsCaptured(Exception):
-    """Raised by ``StageProxy`` in capture mode to stop the step at the network call."""
+    """Raised by a stand-in in capture mode to stop the step at the network call, with the call's arguments."""
 
-    def __init__(self, inputs: tuple[Any, ...]) -> None:
+    def __init__(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         super().__init__("pipeline input captured")
-        self.inputs = inputs
+        self.inputs, self.kwargs = inputs, kwargs
 
 
-class StageProxy(SequentialModel):
-    """Holds this rank's layers (original names, so state dicts stay slices of the full network) and
-    stands in for the network inside step code: it captures inputs or replays outputs, never computes."""
+class _StandIn:
+    """Stands in for the network inside step code: captures its call or replays its output, never computes."""
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def _init_stand_in(self) -> None:
         self._mode = _IDLE
         self._output: Any = None
         self._calls = 0
@@ -90,16 +96,39 @@ class StageProxy(SequentialModel):
         finally:
             self._mode, self._output = _IDLE, None
 
-    def forward(self, *inputs: Any) -> Any:
+    def _stand_in_call(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._calls += 1
         if self._mode == _CAPTURE:
-            raise InputsCaptured(inputs)
+            raise InputsCaptured(inputs, kwargs)
         if self._mode == _REPLAY:
             return self._output
         raise RuntimeError(
             "this network is split across pipeline stages; call it only inside the training, validation, test "
             "or predict step that the pipeline strategy runs"
         )
+
+
+class StageProxy(_StandIn, SequentialModel):
+    """Holds this rank's layers of a Sequential network (original names, so state dicts stay slices of the
+    full network) and stands in for the network inside step code."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._init_stand_in()
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self._stand_in_call(inputs, kwargs)  # keywords are refused by name in ``PipelinedStep``
+
+
+class ForwardStandIn(_StandIn):
+    """Stands in for a split module's ``forward`` (an instance attribute shadowing it, see ``shadowed``): the
+    module stays the user's object (its attributes, ``config``, state dict names), its call is captured."""
+
+    def __init__(self) -> None:
+        self._init_stand_in()
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self._stand_in_call(inputs, kwargs)
 
 
 @contextlib.contextmanager
@@ -129,14 +158,14 @@ def _skip_zero_grad(*args: Any, **kwargs: Any) -> None:
 
 
 def capture_inputs(
-    module: pl.LightningModule, proxy: StageProxy, step: Callable[..., Any], args: tuple, kwargs: dict
-) -> tuple[Any, ...] | None:
-    """The network's inputs of ``step(*args, **kwargs)`` (run up to the network call); ``None``: never called."""
+    module: pl.LightningModule, proxy: _StandIn, step: Callable[..., Any], args: tuple, kwargs: dict
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The network's call in ``step(*args, **kwargs)`` (run up to it): ``(args, kwargs)``; ``None``: no call."""
     with proxy.capturing(), shadowed(module, "log", _ignore_log):
         try:
             step(*args, **kwargs)
         except InputsCaptured as captured:
-            return captured.inputs
+            return captured.inputs, captured.kwargs
     return None
 
 
@@ -181,8 +210,9 @@ class PipelinedStep:
     """Runs the module's training, validation, test and predict steps around this rank's ``pipeline``.
 
     Args:
-        module: the LightningModule whose ``network_name`` attribute is a ``StageProxy``.
+        module: the LightningModule whose ``network_name`` attribute is split.
         network_name: that attribute's name.
+        proxy: what stands in for the network in step code (``StageProxy`` or ``ForwardStandIn``).
         pipeline: this rank's plain-layer pipeline.
         group: the pipeline's process group (``None``: a pipeline of one rank).
         device: where published losses and logged values live.
@@ -192,18 +222,16 @@ class PipelinedStep:
         self,
         module: pl.LightningModule,
         network_name: str,
+        proxy: _StandIn,
         pipeline: Pipeline,
         group: dist.ProcessGroup | None,
         device: torch.device,
     ) -> None:
-        self.module, self.network_name, self.pipeline = module, network_name, pipeline
+        self.module, self.network_name, self.proxy, self.pipeline = module, network_name, proxy, pipeline
         self.group, self.device = group, device
         self._shadows = contextlib.ExitStack()
         self._module_zero_grad: Callable[..., Any] | None = None
-
-    @property
-    def proxy(self) -> StageProxy:
-        return getattr(self.module, self.network_name)
+        self._checked: set[str] = set()
 
     def take_over_zero_grad(self) -> None:
         """See [Note: pipelines inside automatic optimization]; ``close`` gives it back."""
@@ -226,6 +254,7 @@ class PipelinedStep:
         if batch_idx % accumulate == 0 and self._module_zero_grad is not None:
             for optimizer in optimizers:
                 self._module_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+        self.check_step_form(module.training_step, args, kwargs)
         batches, weights = self._split(args[0])
         recorder = LogRecorder(weights)
 
@@ -234,11 +263,14 @@ class PipelinedStep:
                 loss = _loss_of(module.training_step(batches[m], *args[1:], **kwargs))
             return loss if weights is None else loss * weights[m]
 
-        inputs = None
-        if self.pipeline.is_first_stage:
-            inputs = [self._capture(module.training_step, (b, *args[1:]), kwargs) for b in batches]
+        inputs, calls = self._network_calls(module.training_step, [((b, *args[1:]), kwargs) for b in batches or []])
         result = self.pipeline.run_microbatches(
-            inputs, loss_fn, loss_scale=1.0 / (chunks * accumulate), uneven=weights is not None, grad_scaler=grad_scaler
+            inputs,
+            loss_fn,
+            loss_scale=1.0 / (chunks * accumulate),
+            uneven=weights is not None,
+            grad_scaler=grad_scaler,
+            calls=calls,
         )
         loss = torch.stack([result.losses[m] for m in range(chunks)]).mean() if result.losses else None
         return self.publish(recorder, loss)
@@ -258,13 +290,20 @@ class PipelinedStep:
         weights = None
         if rows is not None and rows % chunks:
             weights = [size * chunks / rows for size in microbatch_sizes(rows, chunks)]
-        needed = self.pipeline.is_first_stage or self.pipeline.is_last_stage
+        needed = self.pipeline.is_first_stage or self.pipeline.is_last_stage or self.pipeline.runs_whole_module
         return (split_batch(batch, chunks, even=False) if needed else None), weights
 
     def evaluate(self, step: Callable[..., Any], args: tuple, kwargs: dict, publish: bool = True) -> Any:
-        """A pipelined validation, test or predict step; the step's result on the last stage, else ``None``."""
-        inputs = self._capture(step, args, kwargs) if self.pipeline.is_first_stage else None
-        output = self.pipeline(*inputs) if inputs is not None else self.pipeline()
+        """A pipelined validation, test or predict step; the step's result on the last stage, else ``None``.
+
+        A split module's step is replayed once per microbatch (as few as the schedule allows: one, or one per
+        rank for Interleaved1F1B), its logs averaged by rows; with several, the results come as a list.
+        """
+        if self.pipeline.runs_whole_module:
+            return self._evaluate_calls(step, args, kwargs, publish)
+        self.check_step_form(step, args, kwargs)
+        inputs, _ = self._network_calls(step, [(args, kwargs)])
+        output = self.pipeline(*inputs[0]) if inputs is not None else self.pipeline()
         recorder, result = LogRecorder(), None
         if self.pipeline.is_last_stage:
             with self.proxy.replaying(output), recorder.recording(self.module, 0):
@@ -273,14 +312,59 @@ class PipelinedStep:
             self.publish(recorder, None)
         return result
 
-    def _capture(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, ...]:
-        inputs = capture_inputs(self.module, self.proxy, step, args, kwargs)
-        if inputs is None:
-            raise RuntimeError(
-                f"{step.__name__} never called the network {self.network_name!r}; pipeline strategies need the step "
-                f"to call it once (out = self(x) with forward calling self.{self.network_name})"
+    def _evaluate_calls(self, step: Callable[..., Any], args: tuple, kwargs: dict, publish: bool) -> Any:
+        n = self.pipeline.min_microbatches
+        batches = split_batch(args[0], n, even=False)
+        rows = batch_rows(args[0])
+        weights = None if rows is None else microbatch_sizes(rows, n)
+        _, calls = self._network_calls(step, [((b, *args[1:]), kwargs) for b in batches])
+        outputs = self.pipeline.run_forward(calls)
+        recorder, results = LogRecorder(weights), []
+        if self.pipeline.is_last_stage:
+            for m, batch in enumerate(batches):
+                with self.proxy.replaying(outputs[m]), recorder.recording(self.module, m):
+                    results.append(step(batch, *args[1:], **kwargs))
+        if publish:
+            self.publish(recorder, None)
+        return (results[0] if n == 1 else results) if results else None
+
+    def _network_calls(
+        self, step: Callable[..., Any], steps: Sequence[tuple[tuple, dict]]
+    ) -> tuple[list[tuple[Any, ...]] | None, list[tuple[tuple, dict]] | None]:
+        """Each microbatch's network inputs (first stage of a Sequential) or call (every stage of a split module)."""
+        if self.pipeline.runs_whole_module:
+            return [()] * len(steps), [self._capture(step, a, k) for a, k in steps]
+        if not self.pipeline.is_first_stage:
+            return None, None
+        return [self._positional_call(step, a, k) for a, k in steps], None
+
+    def check_step_form(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """Runs ``step`` up to the network call on every rank once (a Sequential's later stages never run it
+        before the schedule), so a step the strategy cannot replay raises on every rank, before any transfer."""
+        if step.__name__ not in self._checked:
+            if not self.pipeline.runs_whole_module:
+                self._positional_call(step, args, kwargs)
+            self._checked.add(step.__name__)
+
+    def _positional_call(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, ...]:
+        inputs, keywords = self._capture(step, args, kwargs)
+        if keywords:
+            raise TypeError(
+                f"{step.__name__} calls the Sequential {self.network_name!r} with keywords {sorted(keywords)}; "
+                f"a Sequential takes positional inputs (self.{self.network_name}(x)); a module with keyword inputs "
+                "is split at its blocks instead (module_name= naming it, or split_points=)"
             )
         return inputs
+
+    def _capture(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        call = capture_inputs(self.module, self.proxy, step, args, kwargs)
+        if call is None:
+            raise RuntimeError(
+                f"{step.__name__} never called the network {self.network_name!r}; pipeline strategies need the step "
+                f"to call it once (out = self(x) with forward calling self.{self.network_name}, or "
+                f"loss = self.{self.network_name}(input_ids=x, labels=y).loss)"
+            )
+        return call
 
     def publish(self, recorder: LogRecorder, loss: torch.Tensor | None) -> torch.Tensor:
         """Broadcasts the last stage's loss and logs over the pipeline and logs them on every stage."""

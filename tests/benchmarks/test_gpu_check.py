@@ -54,4 +54,18 @@ def test_fit_check_can_fail_and_race_parity_on_cpu() -> None:
     worker's parity logic holds on CPU (its sleeps and side stream apply only on CUDA)."""
     results = run_distributed(_wrong_reference_and_race, 2, timeout=180)
     assert results[0][0] > gpu_fit.TOLERANCE["32-true"] * 100
+    # float32 (the worker is the GPU check's): the one-process reference's own reordering noise for this
+    # Classifier is ~1.5e-8 of weights near 1 (testing.parity.measure_noise on reference(5, 8)); 1e-5 is ~600x it,
+    # while a missing or partial reduction changes the average gradient by O(1) (one rank's batch, not both).
     assert max(race for _, race in results) < 1e-5
+
+
+def test_fsdp_mode_checks_pass_on_cpu() -> None:
+    """hai_fsdp's sharding strategies, cpu_offload (no effect on CPU) and activation checkpointing under
+    bf16-mixed, compared with one fp32 process as on the GPU."""
+    rows = gpu_check.check_fsdp_modes("cpu")
+    labels = [row.check for row in rows]
+    modes = ("'FULL_SHARD'", "'SHARD_GRAD_OP'", "'NO_SHARD'", "'HYBRID_SHARD'", "cpu_offload=True", "checkpointing")
+    for mode in modes:
+        assert any(mode in label for label in labels), mode
+    assert all(row.ok for row in rows), rows

@@ -202,7 +202,7 @@ def test_cuda_gradients_match(ratio):
         got = _grads(model, idx, targets, region)
         if deterministic:
             _assert_bitwise_equal(got, want)
-        else:
+        else:  # this GPU's backward kernels reorder their sums run to run: float32's default tolerances
             torch.testing.assert_close(got, want)
     stats = offload_stats(tag)
     assert stats.bytes_offloaded > 0 and stats.copy_seconds > 0

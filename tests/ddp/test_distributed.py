@@ -1,7 +1,10 @@
 """``DistributedDataParallel`` against a single-process run on the concatenated batch, and against torch DDP.
 
 Each test spawns its processes once and checks several behaviours in them (the machine has 2 cores).
-Tolerance: relative 1e-5 of each parameter's norm after the stated number of optimizer steps.
+Every check runs in float64 (``_run_all``: models, data and optimizers built under ``default_dtype``), with
+SGD (Adam's normalised step would hide a wrong gradient scale): tolerance relative 1e-9 of each parameter's
+norm (``FLOAT64_RTOL``), which another summation order (~1e-15) cannot reach and a real difference exceeds
+(lightning_haiscale/testing/parity.py, [Note: parity tolerances]).
 """
 
 from __future__ import annotations
@@ -17,15 +20,17 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from examples.gpt.model import GPT, config, lm_loss
 from lightning_haiscale.ddp import DistributedDataParallel
+from lightning_haiscale.testing.parity import FLOAT64_ATOL, FLOAT64_RTOL, default_dtype
 from tests.distributed import run_distributed
 
-# No biases: the key bias of attention gets a gradient that is zero up to rounding, which AdamW would
-# magnify into noise-driven updates that no two summation orders share.
+# No biases: the key bias of attention gets a gradient that is zero up to rounding (noise that no two
+# summation orders share; harmless under SGD, but keep the model free of it).
 CFG = config("tiny", n_layer=2, n_embd=32, n_head=2, block_size=16, bias=False)
 PER_RANK = 2  # sequences per rank and micro-batch
 
 
-def _assert_close(model: nn.Module, ref: nn.Module, rel: float = 1e-5) -> None:
+def _assert_close(model: nn.Module, ref: nn.Module, rel: float = FLOAT64_RTOL) -> None:
+    """Relative error of each parameter's norm; float64 (``_run_all``), see the module docstring."""
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         err = (p.detach() - q.detach()).norm() / q.detach().norm().clamp_min(1e-12)
         assert err <= rel, f"{name}: relative error {err:.2e} > {rel}"
@@ -43,12 +48,12 @@ def _gpt(seed: int) -> GPT:
 
 
 def _train_gpt(rank: int, world: int, steps: int, accumulate: int, bucket_cap_mb: float) -> None:
-    """hai DDP vs one process on the concatenated batch: GPT, AdamW, ``accumulate`` micro-batches per step."""
+    """hai DDP vs one process on the concatenated batch: GPT, SGD, ``accumulate`` micro-batches per step."""
     ref = _gpt(0)
     model = DistributedDataParallel(_gpt(rank), bucket_cap_mb=bucket_cap_mb)  # rank 0's weights win
     assert len(model.reducer.buckets) > 1
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
         x, y = _tokens(step, world * PER_RANK * accumulate)
         mine = slice(rank * PER_RANK * accumulate, (rank + 1) * PER_RANK * accumulate)
@@ -73,7 +78,7 @@ def _assert_zero_copy(model: DistributedDataParallel) -> None:
     packed = [i for i, home in enumerate(model.reducer.in_place) if not home]
     if not packed:
         return
-    storage = model.reducer.storage[(torch.float32, torch.device("cpu"))]
+    storage = model.reducer.storage[(torch.get_default_dtype(), torch.device("cpu"))]
     lo, hi = storage.data_ptr(), storage.data_ptr() + storage.numel() * storage.element_size()
     for i in packed:
         p = model.reducer.params[i]
@@ -96,7 +101,7 @@ class _Branchy(nn.Module):
 
 def _unused_parameters(rank: int, world: int) -> None:
     ref, model = _Branchy(), DistributedDataParallel(_Branchy(), find_unused_parameters=True)
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
     for step in range(6):
         x = torch.randn(world, 4, 8, generator=torch.Generator().manual_seed(step))
         use_b = [step % 2 == 0 and r == 0 for r in range(world)]  # only rank 0, every other step
@@ -134,7 +139,7 @@ def _buffers_match_torch_ddp(rank: int, world: int) -> None:
             opt.zero_grad()
     _assert_close(ours.module, theirs.module)
     for a, b in zip(ours.module.buffers(), theirs.module.buffers(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a, b, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
     state = ours.state_dict()
     assert list(state) == list(theirs.state_dict())  # torch DDP's keys, "module." prefix included
     ours.load_state_dict(theirs.state_dict())  # either wrapper's checkpoint loads into the other
@@ -170,7 +175,7 @@ def _buffers_follow_torch_rules(rank: int, world: int) -> None:
             opt.step()
             opt.zero_grad()
         for a, b in zip(ours.module.buffers(), theirs.module.buffers(), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"step {step}")
+            torch.testing.assert_close(a, b, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL, msg=f"step {step}")
     _assert_close(ours.module, theirs.module)
     assert len(broadcasts) == 3, f"{len(broadcasts)} buffer broadcasts in 9 forwards; torch makes 3 (one a step)"
     ours.reducer.stop()
@@ -213,6 +218,7 @@ def _double_accumulation_matches_one_process(rank: int, world: int, device: str 
     model.reducer.stop()
 
 
+@default_dtype(torch.float64)
 def _run_all(rank: int, world: int, checks: list[Callable[[int, int], None]]) -> None:
     for check in checks:
         check(rank, world)
@@ -244,6 +250,7 @@ def test_two_hosts_of_two_ranks() -> None:
     run_distributed(_run_all, 4, [_gpt_parity], node_ids=["a", "a", "b", "b"])
 
 
+@default_dtype(torch.float64)
 def _cuda_checks(rank: int, world: int) -> None:
     torch.cuda.set_device(0)
     _double_accumulation_matches_one_process(rank, world, device="cuda")

@@ -3,7 +3,8 @@
 A gradient of at least ``IN_PLACE_BYTES`` is reduced in the tensor autograd made (no copy); a smaller one
 lives in a view of a shared bucket, across ``zero_grad(set_to_none=True)`` and later steps. What the user
 sees is torch's: ``zero_grad()`` leaves every ``.grad`` None. SGD throughout (Adam's normalised step would
-hide a wrong gradient scale); tolerance: relative 1e-5 of each parameter's norm.
+hide a wrong gradient scale); float64 throughout (``_run_all``), tolerance relative 1e-9 of each parameter's
+norm (``FLOAT64_RTOL``: tests/ddp/test_distributed.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.ddp import reducer as reducer_module
+from lightning_haiscale.testing.parity import default_dtype
 from tests.ddp import test_distributed as plain
 from tests.distributed import run_distributed
 
@@ -25,7 +27,7 @@ ROWS = 4  # rows per rank and micro-batch
 
 
 def _model() -> nn.Module:
-    """``0.weight`` is 1 MiB of float32 (reduced in place by default), the rest is packed."""
+    """``0.weight`` is 2 MiB of float64 (reduced in place by default), the rest is packed."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 4))
 
@@ -56,8 +58,8 @@ def _inside(storage: torch.Tensor, t: torch.Tensor) -> bool:
 def _homes_across_zero_grad(rank: int, world: int) -> None:
     model, ref = DistributedDataParallel(_model()), _model()
     reducer = model.reducer
-    assert reducer.in_place == [True, False, False, False], "0.weight (1 MiB) in place, the rest packed"
-    storage = reducer.storage[(torch.float32, torch.device("cpu"))]
+    assert reducer.in_place == [True, False, False, False], "0.weight (2 MiB) in place, the rest packed"
+    storage = reducer.storage[(torch.float64, torch.device("cpu"))]
     made: list[int] = []  # data_ptr of the gradient autograd makes for 0.weight
     model.module[0].weight.register_hook(lambda g: made.append(g.data_ptr()))
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
@@ -74,10 +76,10 @@ def _homes_across_zero_grad(rank: int, world: int) -> None:
             o.zero_grad()  # set_to_none=True, as torch and Lightning
         assert all(p.grad is None for p in model.parameters()), "zero_grad() leaves None, as torch DDP"
     plain._assert_close(model.module, ref)
-    packed = sum(p.numel() * 4 for p, home in zip(reducer.params, reducer.in_place, strict=True) if not home)
+    packed = sum(p.numel() * 8 for p, home in zip(reducer.params, reducer.in_place, strict=True) if not home)
     assert reducer.stats.backwards == 3
     assert reducer.stats.copied_bytes == 3 * packed, "only packed gradients are copied, once a step"
-    assert reducer.stats.in_place_bytes == 3 * 512 * 512 * 4
+    assert reducer.stats.in_place_bytes == 3 * 512 * 512 * 8
     # set_to_none=False keeps every tensor: the views stay views, autograd adds into them, nothing is copied
     _loss(model, _batch(3, ROWS)).backward()
     opt.zero_grad(set_to_none=False)
@@ -115,6 +117,7 @@ def _everything_in_place(check: Callable[[int, int], None]) -> Callable[[int, in
     return functools.partial(_in_place, check)
 
 
+@default_dtype(torch.float64)
 def _run_all(rank: int, world: int, checks: list[Callable[[int, int], None]]) -> None:
     for check in checks:
         check(rank, world)

@@ -66,6 +66,8 @@ TINY_RUN = [
 def test_train_script_runs_and_summarizes(tmp_path) -> None:
     summary = train.main([*TINY_RUN, f"--trainer.default_root_dir={tmp_path}"])
     assert summary["samples_per_s"] > 0
+    # Not a parity check: the summary's perplexity is exp(loss), but the metric weights tokens while val_loss
+    # averages batch means, each logged in float32; 1% covers their difference on 2 batches of equal size.
     assert abs(summary["val_ppl"] - float(torch.tensor(summary["val_loss"]).exp())) < 1e-2 * summary["val_ppl"]
 
 

@@ -27,6 +27,7 @@ from lightning_haiscale.fsdp import (
     sharded_optim_state_dict,
     sharded_state_dict,
 )
+from lightning_haiscale.testing.parity import FLOAT64_RTOL, default_dtype, noise_tolerance
 from tests.distributed import run_distributed
 from tests.fsdp.helpers import (
     CFG,
@@ -42,6 +43,9 @@ from tests.fsdp.helpers import (
 )
 
 STEPS = 10
+# Parity checks train in float64 (``default_dtype``) and compare at FLOAT64_RTOL, which rounding cannot reach
+# ([Note: parity tolerances] in lightning_haiscale/testing/parity.py); no_sync's gradients, in float32, against
+# the reference's own noise (the same two micro-batches summed in one backward and in two).
 POLICIES = {
     # world: (policy, prefetch) -- nested units at 2, size-based at 3, transformer policy at 4
     2: ({Block, MLP, Embeddings, LMHead}, BackwardPrefetch.BACKWARD_PRE),
@@ -59,6 +63,7 @@ def _error_against_reference(state_dict: dict[str, torch.Tensor], data: list[tor
     return max_rel_error(state_dict, ref_state)
 
 
+@default_dtype(torch.float64)
 def _parity(rank: int, world: int) -> dict:
     policy, prefetch = POLICIES[world]
     model = FullyShardedDataParallel(make_model(), auto_wrap_policy=policy, backward_prefetch=prefetch)
@@ -88,19 +93,20 @@ def _parity(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
+@default_dtype(torch.float64)
 def test_parity_memory_and_names(world: int) -> None:
     # world 4 as 2 hosts x 2 ranks: the engine's hierarchical path
     results = run_distributed(_parity, world, node_ids=["a", "a", "b", "b"] if world == 4 else None)
     ref_losses, _ = reference_run(batches(STEPS, 2 * world), world, clip=True)
-    torch.testing.assert_close(results[0]["losses"], ref_losses, rtol=1e-5, atol=0)
-    assert results[0]["error"] < 1e-5
+    torch.testing.assert_close(results[0]["losses"], ref_losses, rtol=FLOAT64_RTOL, atol=0)
+    assert results[0]["error"] < FLOAT64_RTOL
     ref_model = make_model()
     assert results[0]["names"] == [n for n, _ in ref_model.named_parameters()]  # original names, tied once
-    # parameters + gradients + AdamW's two moments, 4 bytes each: 1/world of the whole, within padding
+    # parameters + gradients + AdamW's two moments, 8 bytes each: 1/world of the whole, within padding
     total = 4 * _bytes(list(ref_model.parameters()))
     for r in results:
         assert r["all_freed"] and r["units"] > 1
-        assert abs(r["bytes"] - total / world) <= 16 * r["units"] * world
+        assert abs(r["bytes"] - total / world) <= 4 * 8 * r["units"] * world  # 4 tensors of float64
 
 
 def _train(
@@ -122,6 +128,7 @@ def _wrap(policy: object = None, **kwargs: object) -> FullyShardedDataParallel:
     return FullyShardedDataParallel(make_model(), auto_wrap_policy=policy or {Block, Embeddings, LMHead}, **kwargs)
 
 
+@default_dtype(torch.float64)
 def _save_and_resume(rank: int, world: int, tmp: str) -> dict:
     path = Path(tmp)
     data = batches(6, 6)
@@ -160,6 +167,7 @@ def _save_and_resume(rank: int, world: int, tmp: str) -> dict:
     return {"expected": expected, "resumed": resumed, "bare_loads": bare_loads}
 
 
+@default_dtype(torch.float64)
 def _resume_elsewhere(rank: int, world: int, tmp: str, saved_world: int) -> list[float]:
     path = Path(tmp)
     model = _wrap(policy={Block})
@@ -176,10 +184,10 @@ def test_checkpoints_round_trip_and_resume_on_other_world_size(tmp_path: Path) -
     results = run_distributed(_save_and_resume, 2, str(tmp_path))
     expected = results[0]["expected"]
     for kind in ("full", "sharded"):
-        assert results[0]["resumed"][kind] == pytest.approx(expected, rel=1e-6), kind
+        assert results[0]["resumed"][kind] == pytest.approx(expected, rel=FLOAT64_RTOL), kind
     assert results[0]["bare_loads"]
     elsewhere = run_distributed(_resume_elsewhere, 3, str(tmp_path), 2)
-    assert elsewhere[0] == pytest.approx(expected, rel=1e-5)
+    assert elsewhere[0] == pytest.approx(expected, rel=FLOAT64_RTOL)
 
 
 def _grad_pieces(model: FullyShardedDataParallel) -> dict[str, torch.Tensor]:
@@ -201,6 +209,11 @@ def _features(rank: int, world: int) -> dict:
     ref = make_model()
     (loss_of(ref, data[0]) + loss_of(ref, data[1])).backward()
     ref_grads = dict(ref.named_parameters())
+    twice = make_model()  # the reference's own float32 noise: the same two micro-batches in two backwards
+    loss_of(twice, data[0]).backward()
+    loss_of(twice, data[1]).backward()
+    noise = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in twice.named_parameters())
+    scale = max(p.grad.abs().max().item() for p in ref.parameters())
     no_sync_error = max(
         ((g - ref_grads[name].grad.reshape(-1)[info.start : info.end]).abs().max().item() if g.numel() else 0)
         for name, (info, g) in pieces.items()
@@ -222,6 +235,7 @@ def _features(rank: int, world: int) -> dict:
     fp32_loss = loss_of(make_model(), local(data[0], rank, world)).item()
     return {
         "no_sync_error": no_sync_error,
+        "no_sync_tolerance": noise_tolerance(noise, scale),
         "shapes": shapes,
         "rank0_shapes": rank0_shapes,
         "doubled": doubled,
@@ -254,10 +268,11 @@ def _deferred() -> dict:
 def test_no_sync_summon_mixed_precision_and_deferred_init() -> None:
     results = run_distributed(_features, 2)
     for r in results:
-        assert r["no_sync_error"] < 1e-6
+        assert r["no_sync_error"] <= r["no_sync_tolerance"]
         assert r["doubled"]
         assert r["shapes"] == r["ref_shapes"]
         mp_loss, fp32_loss, grad_dtypes = r["mp"]
+        # bf16 keeps 8 mantissa bits (0.4% a rounding): one forward moves a loss near 4 by well under 2%
         assert mp_loss == pytest.approx(fp32_loss, rel=2e-2) and grad_dtypes == {torch.float32}
     assert results[0]["rank0_shapes"] == results[0]["ref_shapes"]
     assert all(len(s) == 1 for s in results[1]["rank0_shapes"])  # rank 1 keeps its 1-D pieces
@@ -284,4 +299,6 @@ def _cuda_parity(rank: int, world: int) -> float:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_parity() -> None:
     """Both ranks on CUDA device 0; collectives staged through host memory by the engine."""
-    assert run_distributed(_cuda_parity, 2)[0] < 1e-4  # GPU matmuls vs the CPU reference
+    # GPU matmuls (another kernel, possibly TF32) vs the CPU reference after 3 AdamW steps: not a float64
+    # parity check; measured well under it on the GPU check's machine
+    assert run_distributed(_cuda_parity, 2)[0] < 1e-4

@@ -52,6 +52,7 @@ def _staged_collectives(rank: int, world: int) -> list[str]:
     if not torch.equal(gathered, torch.arange(world).repeat_interleave(4).float()):
         failures.append(f"all_gather gave {gathered.tolist()}")
     mean_scale = (world + 1) / 2
+    # "avg" multiplies the sum by 1/world (one float32 rounding): allclose's rtol 1e-5 is 80 ulps of it
     if not torch.allclose(scattered, torch.arange(rank * 4, rank * 4 + 4).float() * mean_scale):
         failures.append(f"reduce_scatter gave {scattered.tolist()}")
     if not torch.equal(broadcast, torch.full((5,), float(world - 1))):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.pipeline import PipeDream, make_subgroups, p2p, partition
+from lightning_haiscale.testing.parity import FLOAT64_TOLERANCES, default_dtype
 from tests.distributed import run_distributed
 from tests.pipeline.test_pipelines import SCHEDULES, batch, build, mlp, tuple_model
 
@@ -169,11 +170,12 @@ def _cases(pipe: Any, dp_rank: int, dp_size: int) -> dict[str, Callable[[], Any]
 
 def _check_output(out: Any, pipe: Any, reference: torch.nn.Module, x: torch.Tensor) -> None:
     if pipe.is_last_stage:
-        torch.testing.assert_close(out, reference(x).detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out, reference(x).detach(), **FLOAT64_TOLERANCES)  # float64: _log_world
     else:
         assert out is None
 
 
+@default_dtype(torch.float64)
 def _log_world(rank: int, world: int, layouts: tuple[int, ...]) -> dict[str, list[Event]]:
     logs: dict[str, list[Event]] = {}
     for pp_size in layouts:

@@ -137,6 +137,7 @@ def test_every_strategy_trains_on_two_processes(tmp_path: Path) -> None:
 _COMMON = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 _HAI_PARALLEL = {*_COMMON, "timeout", "process_group_backend"}
 _PIPELINE = {*_HAI_PARALLEL, "chunks", "pp_size", "balance", "num_model_chunks", "checkpoint", "module_name"}
+_PIPELINE.add("split_points")
 HELP: dict[str, set[str]] = {
     "lightning_haiscale.HaiDDPStrategy": {
         *_COMMON,
@@ -146,7 +147,10 @@ HELP: dict[str, set[str]] = {
     },
     "lightning_haiscale.HaiFSDPStrategy": {
         *_HAI_PARALLEL,
-        *("auto_wrap_policy", "backward_prefetch", "reshard_after_forward", "state_dict_type", "param_init_fn"),
+        *("backward_prefetch", "reshard_after_forward", "param_init_fn"),
+        *("cpu_offload", "mixed_precision", "auto_wrap_policy", "activation_checkpointing"),
+        *("activation_checkpointing_policy", "sharding_strategy", "state_dict_type", "device_mesh"),
+        *("limit_all_gathers", "forward_prefetch", "use_orig_params", "sync_module_states", "ignored_modules"),
     },
     "lightning_haiscale.GPipeStrategy": {*_PIPELINE, "example_inputs"},
     "lightning_haiscale.PipeDreamStrategy": {*_PIPELINE, "example_inputs"},

@@ -57,7 +57,7 @@ def _full_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
 def _step_matches_fp32(strategy: L.pytorch.strategies.Strategy, tmp: str, dp: int) -> None:
     initial = Classifier().state_dict()
     expected, _ = reference(1, BATCH, dp=dp)
-    trainer = fit(strategy, tmp, steps=1, plugins=[_fp16()], limit_val_batches=0)
+    trainer = fit(strategy, tmp, steps=1, plugins=[_fp16()], precision=None, limit_val_batches=0)  # not 64-true
     assert isinstance(trainer.precision_plugin.scaler, ShardedGradScaler)
     for name, value in _full_state(trainer).items():
         change, wanted = value - initial[name], expected[name] - initial[name]
@@ -67,7 +67,9 @@ def _step_matches_fp32(strategy: L.pytorch.strategies.Strategy, tmp: str, dp: in
 
 def _inf_on_one_rank_skips_everywhere(strategy: L.pytorch.strategies.Strategy, tmp: str) -> None:
     initial = Classifier().state_dict()
-    trainer = fit(strategy, tmp, steps=1, plugins=[_fp16()], callbacks=[_InfOnRank1()], limit_val_batches=0)
+    trainer = fit(
+        strategy, tmp, steps=1, plugins=[_fp16()], precision=None, callbacks=[_InfOnRank1()], limit_val_batches=0
+    )
     scales: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(scales, trainer.precision_plugin.scaler.get_scale())
     assert scales == [SCALE / 2] * dist.get_world_size(), scales

@@ -1,7 +1,8 @@
 """``Trainer(strategy="hai_ddp")`` on a model whose gradients live in both homes (reducer [Note: where
-gradients live]): the MLP's 1 MiB weights are reduced in place, the rest packed in shared buckets.
+gradients live]): the MLP's 1.1 MiB (float64) weights are reduced in place, the rest packed in shared buckets.
 
-Against one process with SGD (relative 1e-5 of each parameter's norm), with gradient accumulation (the
+Against one process with SGD, in float64 (``_run_all``; relative 1e-9 of each parameter's norm, ``FLOAT64_RTOL``:
+tests/strategies/test_hai_ddp.py), with gradient accumulation (the
 Trainer's ``no_sync``) and Lightning's ``zero_grad(set_to_none=True)``; a resumed run equals the
 uninterrupted one bit-for-bit.
 """
@@ -22,11 +23,12 @@ from torch.utils.data import DistributedSampler, TensorDataset
 import lightning_haiscale  # noqa: F401  (registers "hai_ddp")
 from examples.gpt.lightning_module import GPTLightningModule
 from examples.gpt.model import config, lm_loss
+from lightning_haiscale.testing.parity import default_dtype
 from tests.distributed import run_distributed
 from tests.strategies.helpers import lm_dataset, quiet_fit
 from tests.strategies.test_hai_ddp import _assert_close, _Losses
 
-CFG = config("tiny", n_layer=1, n_embd=256, n_head=4, block_size=16, bias=False)  # MLP weights: 1024 x 256 fp32
+CFG = config("tiny", n_layer=1, n_embd=192, n_head=4, block_size=16, bias=False)  # MLP: 768 x 192 fp64 (1.1 MiB)
 BATCH = 2  # sequences per rank and micro-batch
 LR = 0.5
 
@@ -87,6 +89,7 @@ def _resume_is_bit_for_bit(rank: int, world: int, tmp: Path) -> None:
     assert all(torch.equal(v, expected[k]) for k, v in second.state_dict().items())
 
 
+@default_dtype(torch.float64)
 def _run_all(rank: int, world: int, tmp: str, checks: list[Any]) -> None:
     for check in checks:
         check(rank, world, Path(tmp))
