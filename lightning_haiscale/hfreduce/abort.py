@@ -72,13 +72,20 @@ def _abort_here(rank: int, reason: str) -> None:
 
 def _watch() -> None:
     """Polls the default group's store until an abort is posted or the store is gone (the job ended), then
-    leaves, so that a later job of this process starts a watcher of its own."""
+    leaves, so that a later job of this process starts a watcher of its own. It polls through a connection of
+    its own (``clone()``): a store client is not safe to share with the main thread's ``new_group`` calls."""
     global _watcher
     pause = threading.Event()
+    watched, connection = None, None
     try:
         while not pause.wait(_POLL_S):
-            if dist.is_initialized() and _store().check([_KEY]):
-                rank, reason = _store().get(_KEY).decode().split("\n", 1)
+            if not dist.is_initialized():
+                continue
+            if _store() is not watched:  # a new default group: its own store
+                watched = _store()
+                connection = watched.clone()
+            if connection.check([_KEY]):
+                rank, reason = connection.get(_KEY).decode().split("\n", 1)
                 _abort_here(int(rank), reason)
                 return
     except RuntimeError as error:  # the store's host is gone: that job is over

@@ -77,7 +77,8 @@ class HierarchicalBackend(Backend):
             by_local = input.view(self._world_size, n).index_select(0, order).contiguous()
             host_pieces = output.new_empty(self.topology.num_hosts * n)
             self._host.reduce_scatter(host_pieces, by_local, 1.0)
-            self._across(reduce_scatter_tensor(output, host_pieces, group=self._cross_group, async_op=True))
+            # blocking: gloo's asynchronous reduce_scatter_tensor never reported is_completed() here
+            reduce_scatter_tensor(output, host_pieces, group=self._cross_group)
         if divisor != 1.0:
             output.div_(divisor)
 

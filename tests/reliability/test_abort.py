@@ -81,12 +81,14 @@ def _fit(rank: int, world: int, strategy: str, where: str, hosts: int) -> tuple[
     return "no error", "", 0.0
 
 
+SLOW = pytest.mark.slow  # each case takes 25-45 s here (process start-up and LINGER_S)
+LONG = [pytest.mark.slow, pytest.mark.long]  # see conftest.py
 CASES = [
     ("hai_ddp", "between collectives", 2, None),
-    ("hai_ddp", "inside a collective", 2, None),
-    ("hai_fsdp", "between collectives", 2, None),
-    ("hai_fsdp", "inside a collective", 2, None),
-    ("hai_ddp", "between collectives", 4, ["a", "a", "b", "b"]),
+    pytest.param("hai_ddp", "inside a collective", 2, None, marks=LONG),
+    pytest.param("hai_fsdp", "between collectives", 2, None, marks=LONG),
+    pytest.param("hai_fsdp", "inside a collective", 2, None, marks=SLOW),
+    pytest.param("hai_ddp", "between collectives", 4, ["a", "a", "b", "b"], marks=SLOW),
 ]
 
 

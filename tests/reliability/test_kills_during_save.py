@@ -39,6 +39,7 @@ def kill_points(reference: Path) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # minutes: see conftest.py
 @pytest.mark.parametrize("strategy", ["hai_fsdp_sharded", "hai_pipedream", "hai_fsdp", "hai_ddp"])
 def test_a_kill_during_a_save_loses_nothing(strategy: str, tmp_path: Path) -> None:
     reference = run_torchrun(strategy, tmp_path / "reference", [])

@@ -77,8 +77,14 @@ def final_weights(workdir: Path) -> list[dict[str, torch.Tensor]]:
     return [torch.load(workdir / f"weights_rank{r}.pt")["weights"] for r in range(2)]
 
 
+LONG = pytest.mark.long  # 80-105 s each here; hai_ddp runs in every suite (see conftest.py)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["hai_ddp", "hai_fsdp", "hai_fsdp_sharded", "hai_pipedream"])
+@pytest.mark.parametrize(
+    "strategy",
+    ["hai_ddp", *(pytest.param(s, marks=LONG) for s in ("hai_fsdp", "hai_fsdp_sharded", "hai_pipedream"))],
+)
 def test_each_kill_costs_one_restart_and_nothing_else(strategy: str, tmp_path: Path) -> None:
     killed = run_torchrun(strategy, tmp_path / "killed", KILLS)
     assert killed.returncode == 0, killed.stdout[-6000:]
