@@ -145,16 +145,7 @@ class FSDPParamGroup:
         self._released: set[int] = set()  # leaves whose pages went back to the OS while unsharded
         self._gather_on_forward = False  # this backward considered releasing (alike on every rank)
         self.grad_space: Callable[[], torch.Tensor] = self.fresh_shard
-        """Where a reduced shard goes (see [Note: replicated shards]
-Under hybrid sharding and NO_SHARD, the ranks of ``replicate`` hold the same shard (see sharding [Note: one
-machine for every strategy]). Once a unit's gradients are all reduced within the shard group (its backward is
-done and its reductions waited for, which the next unit's reduction does, see fully_sharded [Note: one
-reduce-scatter in flight]), the reduced shard is averaged over ``replicate`` asynchronously, so that all-reduce
-(the only traffic that crosses hosts under HYBRID_SHARD) runs while backward goes on; the end of backward
-waits for it before the shard becomes the pieces' ``.grad``. Every rank starts it at the same point of the
-same backward, so the replicas issue their all-reduces in one order.
-
-[Note: one buffer for the reduced gradients])."""
+        """Where a reduced shard goes (see [Note: one buffer for the reduced gradients])."""
         self.use_pieces()
 
     def _make_leaves(self) -> list[torch.Tensor]:
@@ -405,15 +396,6 @@ same backward, so the replicas issue their all-reduces in one order.
 
 class GradShards:
     """Every unit's reduced gradient shard of one backward as a slice of one buffer per (dtype, device) (see
-        [Note: replicated shards]
-    Under hybrid sharding and NO_SHARD, the ranks of ``replicate`` hold the same shard (see sharding [Note: one
-    machine for every strategy]). Once a unit's gradients are all reduced within the shard group (its backward is
-    done and its reductions waited for, which the next unit's reduction does, see fully_sharded [Note: one
-    reduce-scatter in flight]), the reduced shard is averaged over ``replicate`` asynchronously, so that all-reduce
-    (the only traffic that crosses hosts under HYBRID_SHARD) runs while backward goes on; the end of backward
-    waits for it before the shard becomes the pieces' ``.grad``. Every rank starts it at the same point of the
-    same backward, so the replicas issue their all-reduces in one order.
-
     [Note: one buffer for the reduced gradients])."""
 
     def __init__(self, groups: list[FSDPParamGroup]) -> None:
