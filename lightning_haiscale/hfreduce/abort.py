@@ -13,6 +13,7 @@ when it appears, aborts its own host's engines in turn; a rank blocked in a cros
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 _KEY = "lightning_haiscale/hfreduce/abort"  # in the default group's store: "<rank>\n<reason>"
 _POLL_S = 0.05
+_EXIT_JOIN_S = 10.0  # a store call returns at once, or fails at once when its server is gone
 _REASON_CHARS = 300
 
 
@@ -36,6 +38,7 @@ class _Abortable(Protocol):
 
 _ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's live host engines (ShmBackend)
 _watcher: threading.Thread | None = None
+_stopping = threading.Event()
 
 
 def register_engine(engine: _Abortable) -> None:
@@ -61,8 +64,20 @@ def watch_other_hosts() -> None:
     """Starts this process's watcher of aborts posted by ranks on other hosts (once; a daemon thread)."""
     global _watcher
     if _watcher is None:
+        _stopping.clear()
         _watcher = threading.Thread(target=_watch, name="hfreduce-abort", daemon=True)
         _watcher.start()
+
+
+@atexit.register
+def _stop_watching() -> None:
+    """Ends the watcher before the interpreter finalizes. A daemon thread that is inside a store call when
+    Python finalizes exits through pybind11's ``gil_scoped_release`` destructor, which is ``noexcept``: the
+    process dies of ``std::terminate`` after a successful run, and torchrun reports the job failed."""
+    watcher = _watcher
+    if watcher is not None:
+        _stopping.set()
+        watcher.join(_EXIT_JOIN_S)
 
 
 def _abort_here(rank: int, reason: str) -> None:
@@ -75,10 +90,9 @@ def _watch() -> None:
     leaves, so that a later job of this process starts a watcher of its own. It polls through a connection of
     its own (``clone()``): a store client is not safe to share with the main thread's ``new_group`` calls."""
     global _watcher
-    pause = threading.Event()
     watched, connection = None, None
     try:
-        while not pause.wait(_POLL_S):
+        while not _stopping.wait(_POLL_S):
             if not dist.is_initialized():
                 continue
             if _store() is not watched:  # a new default group: its own store

@@ -9,14 +9,18 @@ Latency is measured on every peer, from just before the raise to the peer's erro
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -24,6 +28,7 @@ import lightning_haiscale  # noqa: F401 - registers the strategies
 from lightning_haiscale.strategies import HaiDDPStrategy, HaiFSDPStrategy
 from tests.distributed import run_distributed
 
+ROOT = Path(__file__).resolve().parents[2]
 LINGER_S = 6.0  # the failed rank's process outlives its error by this much
 LIMIT_S = 1.0  # the issue's bound on every peer
 
@@ -107,3 +112,25 @@ def test_one_failure_stops_every_rank_within_a_second(
         latencies[rank] = seen_at - raised_at
     print(f"{strategy}, {where}, {world} ranks: seconds from the raise to each peer's error {latencies}")
     assert max(latencies.values()) < LIMIT_S, f"seconds from the raise to each peer's error: {latencies}"
+
+
+_EXIT_PROBE = """
+import atexit, threading, time
+alive = lambda: any(t.name == "hfreduce-abort" for t in threading.enumerate())
+atexit.register(lambda: print("watcher alive at finalization:", alive()))
+import torch.distributed as dist
+from lightning_haiscale.hfreduce.abort import watch_other_hosts
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+watch_other_hosts()
+time.sleep(0.3)
+"""
+
+
+def test_the_abort_watcher_has_stopped_before_the_interpreter_finalizes() -> None:
+    """Was: the watcher, a daemon thread, could be inside a store call when Python finalized; it then exited
+    through a ``noexcept`` destructor and the process died of ``std::terminate`` after a good run (a 2-node
+    torchrun job failed 1 time in 3). The probe's own exit handler runs after the module's and sees the thread."""
+    probe = _EXIT_PROBE.format(port=find_free_network_port())
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "watcher alive at finalization: False" in done.stdout, done.stdout + done.stderr[-3000:]
