@@ -55,7 +55,7 @@ def runs(quick: bool) -> list[Run]:
         Run("allreduce", ["allreduce", "--world", "2", "--min", "4K", "--max", "64M"], 15),
         Run("ddp", ["strategies", "ddp", *repeats], 110 if quick else 200),
         Run("fsdp", ["strategies", "fsdp", *repeats], 150 if quick else 280),
-        Run("hybrid", ["strategies", "hybrid", *repeats], 270 if quick else 540),  # issue 27: 2 hosts x 2 ranks
+        Run("hybrid", ["strategies", "hybrid", *repeats], 240 if quick else 480),  # issue 27: 2 hosts x 2 ranks
         Run("pipeline", ["strategies", "pipeline"], 55),
         Run("offload_hooks", ["offload_overhead"], 12),
         Run("offload", ["offload_gpu"], 120, needs_cuda=True),
