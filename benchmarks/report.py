@@ -1,7 +1,7 @@
 """``make bench``: every technique beside its peer in one run; writes RESULTS.md's summary and results.png.
 
     python -m benchmarks.report [--quick] [--only allreduce,ddp,fsdp,fsdp_medium,fsdp_modes,hybrid,pipeline,
-    offload_hooks,offload]
+    pipeline_split,offload_hooks,offload]
 
 Each benchmark runs as its own subprocess (its log under ``benchmarks/logs/``) and writes rows as JSON:
 ``technique, config, ours, peer, metric, ours_value, peer_value`` (higher is better) and, where measured,
@@ -57,6 +57,7 @@ def runs(quick: bool) -> list[Run]:
         Run("fsdp", ["strategies", "fsdp", *repeats], 150 if quick else 280),
         Run("hybrid", ["strategies", "hybrid", *repeats], 240 if quick else 480),  # issue 27: 2 hosts x 2 ranks
         Run("pipeline", ["strategies", "pipeline"], 55),
+        Run("pipeline_split", ["pipeline_split"], 240),
         Run("offload_hooks", ["offload_overhead"], 12),
         Run("offload", ["offload_gpu"], 120, needs_cuda=True),
     ]
@@ -84,7 +85,12 @@ def run_one(run: Run, logs: Path) -> list[dict]:
         print(f"{run.name}: failed (exit {proc.returncode}); see {log}", file=sys.stderr)
         return []
     data = json.loads(out.read_text())
-    converters = {"allreduce": allreduce_rows, "offload_hooks": offload_hook_rows, "offload": offload_gpu_rows}
+    converters = {
+        "allreduce": allreduce_rows,
+        "offload_hooks": offload_hook_rows,
+        "offload": offload_gpu_rows,
+        "pipeline_split": pipeline_split_rows,
+    }
     try:
         return converters[run.name](data) if run.name in converters else data["rows"]
     except (KeyError, IndexError, TypeError, ZeroDivisionError) as error:  # one benchmark's new shape: keep the rest
@@ -162,6 +168,19 @@ def offload_gpu_rows(data: dict) -> list[dict]:
                          "ours": f"CPUOffload {ours}", "peer": peer, "metric": "steps/s",
                          "ours_value": speed[ours], "peer_value": speed[peer]})  # fmt: skip
     return rows
+
+
+def pipeline_split_rows(data: dict) -> list[dict]:
+    """The unmodified GPT-2's pipeline against torch's traced one and against our Sequential path of the same
+    layers, as samples/s; the spread is the larger of the two sides' (each ran twice in the run)."""
+    c, rates, spread = data["config"], data["samples_per_s"], data["spread"]
+    config = f"GPT-2 {c['layers']}x{c['width']}, 2 stages, 1F1B, {c['chunks']} microbatches of {c['batch']} rows"
+    return [
+        {"technique": "pipeline, unmodified model", "config": config, "ours": "PipeDream(partition(model))",
+         "peer": peer, "metric": "samples/s", "ours_value": rates["ours"], "peer_value": rates[side],
+         "spread": max(spread["ours"], spread[side])}
+        for side, peer in (("torch", "torch pipelining (traced)"), ("ours_seq", "our nn.Sequential path"))
+    ]  # fmt: skip
 
 
 def ratio(row: dict) -> float:
