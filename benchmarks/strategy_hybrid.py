@@ -52,7 +52,7 @@ from lightning_haiscale.testing import run_distributed
 
 HOSTS = ("host0", "host0", "host1", "host1")  # HFREDUCE_NODE_ID of each rank
 WORLD, REPLICATE, SHARD = len(HOSTS), 2, 2  # 2 hosts x 2 ranks: mesh (replicate, shard)
-MODEL = config("small", n_layer=8, block_size=256, tie_weights=False)  # 57M parameters: ~460 MiB of fp32 state
+MODEL = config("small", n_layer=8, block_size=256, tie_weights=False)  # 57M parameters; 437 MiB of state/rank at S=2
 CONFIGS = {
     "comm": BenchConfig("comm", batch=1, seq=32, steps=6, warmup=2, model=MODEL),  # collectives dominate
     "compute": BenchConfig("compute", batch=1, seq=128, steps=4, warmup=2, model=MODEL),  # matmuls weigh more
