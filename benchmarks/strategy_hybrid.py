@@ -45,7 +45,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.cross_host import CrossHostBytes, full_shard_theory, hybrid_theory
-from benchmarks.strategy_fsdp import BenchConfig, _MemorySampler, _Phases
+from benchmarks.strategy_fsdp import BenchConfig, MemorySampler, PhaseSampler
 from examples.gpt.lightning_module import GPTLightningModule
 from examples.gpt.model import GPT, Block, GPTConfig, config
 from lightning_haiscale.testing import run_distributed
@@ -117,13 +117,13 @@ class _Steps(L.Callback):
 
 
 def _worker(rank: int, world: int, name: str, cfg: BenchConfig, model: GPTConfig) -> dict[str, Any]:
-    sampler = _MemorySampler()
+    sampler = MemorySampler()
     counter = CrossHostBytes(HOSTS).install()
     torch.manual_seed(0)
     strategy, module_cls = _strategy(name)
     rows = (cfg.steps + cfg.warmup) * cfg.batch * world
     tokens = torch.randint(0, model.vocab_size, (rows, cfg.seq + 1), generator=torch.Generator().manual_seed(0))
-    steps, phases = _Steps(cfg.warmup, counter), _Phases(sampler, steps=cfg.warmup)
+    steps, phases = _Steps(cfg.warmup, counter), PhaseSampler(sampler, steps=cfg.warmup)
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=world // REPLICATE, num_nodes=REPLICATE,
         max_steps=cfg.steps + cfg.warmup, logger=False, enable_checkpointing=False, enable_progress_bar=False,
