@@ -15,8 +15,9 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
-from lightning_haiscale.fabric.shared import NoSyncControl, Wrapped, save_file, setup_distributed
+from lightning_haiscale.fabric.shared import NoSyncControl, Wrapped, setup_distributed
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout, strategy_repr
+from lightning_haiscale.strategies.checkpoint_file import save_file
 from lightning_haiscale.strategies.ddp import hai_ddp_options, wrap_hai_ddp
 from lightning_haiscale.strategies.parallel import register_once
 

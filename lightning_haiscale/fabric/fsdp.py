@@ -30,12 +30,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_haiscale.checkpoint_files import folder_checkpoint
-from lightning_haiscale.fabric.shared import NoSyncControl, Sharded, Wrapped, save_file, setup_distributed
+from lightning_haiscale.fabric.shared import NoSyncControl, Sharded, Wrapped, setup_distributed
 from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout, strategy_repr
+from lightning_haiscale.strategies.checkpoint_file import save_file
 from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.strategies.parallel import agree_on_inf, register_once
 

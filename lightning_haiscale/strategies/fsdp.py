@@ -41,6 +41,7 @@ from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
 from lightning_haiscale.strategies.arguments import check_choice, strategy_repr
+from lightning_haiscale.strategies.checkpoint_file import save_file
 from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
 
@@ -232,7 +233,7 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         with folder_checkpoint(path, publisher=self.is_global_zero, barrier=self.barrier) as staging:
             save_dcp(staging, model_shard, optim_shards, self._wrapper().process_group)  # creates the folder
             if self.is_global_zero:
-                self.checkpoint_io.save_checkpoint(checkpoint, staging / _META_FILE, storage_options=storage_options)
+                save_file(self.checkpoint_io, checkpoint, staging / _META_FILE, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

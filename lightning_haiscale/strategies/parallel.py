@@ -47,6 +47,7 @@ from typing_extensions import override
 from lightning_haiscale.hfreduce import abort_job
 from lightning_haiscale.restart_store import restart_safe_store
 from lightning_haiscale.strategies.arguments import check_timeout
+from lightning_haiscale.strategies.checkpoint_file import save_file
 
 __all__ = ["HaiParallelStrategy", "agree_on_inf", "init_dist_connection", "no_sync_of", "register_once"]
 
@@ -182,6 +183,12 @@ class HaiParallelStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Ends every rank's waits on this job's engines at once, naming this rank (see ``hfreduce.abort``)."""
         abort_job(exception)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Rank 0 writes one file that a kill leaves as the previous or the new one (see ``checkpoint_file``)."""
+        if self.is_global_zero:
+            save_file(self.checkpoint_io, checkpoint, filepath, storage_options)
 
     @override
     def barrier(self, name: str | None = None) -> None:

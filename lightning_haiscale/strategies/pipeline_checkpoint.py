@@ -31,6 +31,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
+from lightning_haiscale.strategies.checkpoint_file import save_file
+
 __all__ = [
     "PipelineCheckpoints",
     "full_checkpoint",
@@ -55,9 +57,12 @@ def stage_path(filepath: str | os.PathLike, stage: int, save_id: str | None = No
 
 
 def stage_files_of(filepath: str | os.PathLike, stage: int) -> list[str]:
-    """Every stage file of ``stage`` beside ``filepath``: the committed one and any of unfinished saves."""
+    """Every stage file of ``stage`` beside ``filepath``: the committed one, any of unfinished saves, and the
+    staging file of a save killed while writing one (``save_file``'s hidden sibling)."""
     final = stage_path(filepath, stage)
-    return [final] * os.path.exists(final) + glob.glob(f"{glob.escape(final)}.*")
+    folder, name = os.path.split(final)
+    killed_writes = glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.*.partial"))
+    return [final] * os.path.exists(final) + glob.glob(f"{glob.escape(final)}.*") + killed_writes
 
 
 def full_checkpoint(
@@ -183,11 +188,11 @@ class PipelineCheckpoints:
             names = optimizer_param_names(self.lightning_module, self.optimizers)
             stage = stage_checkpoint(self._proxy.state_dict(), self.module_name, checkpoint, names, save_id)
             uncommitted = stage_path(filepath, self.pp_rank, save_id)  # checkpoint_io creates the folder
-            self.checkpoint_io.save_checkpoint(stage, uncommitted, storage_options)
+            save_file(self.checkpoint_io, stage, uncommitted, storage_options)
         self.barrier()
         if self.is_global_zero:
             full = full_checkpoint(checkpoint, self.stages_per_pipeline, self.num_model_chunks, save_id)
-            self.checkpoint_io.save_checkpoint(full, filepath, storage_options=storage_options)
+            save_file(self.checkpoint_io, full, filepath, storage_options)
         self.barrier()
         if self.dp_rank == 0:
             os.replace(uncommitted, stage_path(filepath, self.pp_rank))

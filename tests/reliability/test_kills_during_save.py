@@ -56,7 +56,15 @@ def test_a_kill_during_a_save_loses_nothing(strategy: str, tmp_path: Path) -> No
     points = kill_points(tmp_path / "reference")
     killed = run_torchrun(strategy, tmp_path / "killed", points)
     assert_killed_job_lost_nothing(killed, tmp_path / "killed", points)
+    assert_no_staging_left(tmp_path / "killed")
     assert_same_weights(tmp_path / "killed", tmp_path / "reference")
+
+
+def assert_no_staging_left(workdir: Path) -> None:
+    """No staging sibling (hidden) beside the checkpoints, and no temporary file (Lightning's ``_atomic_save``
+    writes one in ``$TMPDIR``, which a kill leaves behind)."""
+    assert [p.name for p in (workdir / "ckpt").iterdir() if p.name.startswith(".")] == []
+    assert [p for p in (workdir / "tmp").iterdir() if p.is_file()] == []
 
 
 def assert_killed_job_lost_nothing(killed: subprocess.CompletedProcess[str], workdir: Path, points: list[str]) -> None:
@@ -82,6 +90,6 @@ def test_a_kill_during_fabric_save_loses_nothing(strategy: str, tmp_path: Path) 
     points = kill_points(tmp_path / "reference", most=None)
     killed = run_torchrun(strategy, tmp_path / "killed", points, job=FABRIC_JOB)
     assert_killed_job_lost_nothing(killed, tmp_path / "killed", points)
-    assert sorted(p.name for p in (tmp_path / "killed" / "ckpt").iterdir()) == ["last.ckpt"]  # no staging left
-    assert [p for p in (tmp_path / "killed" / "tmp").iterdir() if p.is_file()] == []  # nor a temporary file
+    assert sorted(p.name for p in (tmp_path / "killed" / "ckpt").iterdir()) == ["last.ckpt"]
+    assert_no_staging_left(tmp_path / "killed")
     assert_same_weights(tmp_path / "killed", tmp_path / "reference")
