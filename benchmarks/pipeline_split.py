@@ -1,5 +1,5 @@
 """An unmodified GPT-2 (``transformers``) in a pipeline of 2 processes (gloo), 1F1B, three ways in one run:
-``python -m benchmarks.pipeline_split``.
+``python -m benchmarks.pipeline_split [--json OUT]`` (``make bench`` runs it).
 
 - ``ours``: ``partition(model, rank, 2)`` cuts the model at its blocks (``ModuleStage``: the model's own forward,
   the loss from ``labels=`` on the last stage) and ``PipeDream`` runs it;
@@ -158,8 +158,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", help="also write the report to this file (what `make bench` reads)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    out, args.json = args.json, None
     runs = run_distributed(_worker, 2, args, timeout=3600)[0]
     step = {impl: statistics.mean(t) for impl, t in runs.items()}
     report = {
@@ -170,6 +172,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ours_vs_ours_seq": step["ours_seq"] / step["ours"],
     }
     print(json.dumps(report, indent=1))
+    if out:
+        with open(out, "w") as sink:
+            json.dump(report, sink, indent=1)
     print(f"unmodified GPT-2, 1F1B, 2 stages: ours {report['samples_per_s']['ours']:.2f} samples/s, torch's traced "
           f"{report['samples_per_s']['torch']:.2f} ({report['ours_vs_torch']:.3f}x), our Sequential path "
           f"{report['samples_per_s']['ours_seq']:.2f} ({report['ours_vs_ours_seq']:.3f}x)")  # fmt: skip

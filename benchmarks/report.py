@@ -1,14 +1,15 @@
 """``make bench``: every technique beside its peer in one run; writes RESULTS.md's summary and results.png.
 
-    python -m benchmarks.report [--quick] [--only allreduce,ddp,fsdp,fsdp_medium,fsdp_modes,pipeline,offload_hooks,
-    offload]
+    python -m benchmarks.report [--quick] [--only allreduce,ddp,fsdp,fsdp_medium,fsdp_modes,hybrid,pipeline,
+    pipeline_split,offload_hooks,offload]
 
 Each benchmark runs as its own subprocess (its log under ``benchmarks/logs/``) and writes rows as JSON:
 ``technique, config, ours, peer, metric, ours_value, peer_value`` (higher is better) and, where measured,
 ``ours_rss_mib, peer_rss_mib``, ``ours_pss_mib, peer_pss_mib`` (peak memory per rank) and ``ceiling_value``
 (the metric of a run with no communication at all: the ceiling of the ratio), ``floor_share`` and
-``reduction_cpu_ms`` (the share of the peer's communication time a reduction of the measured CPU cost allows) and
-``spread`` (how far two runs
+``reduction_cpu_ms`` (the share of the peer's communication time a reduction of the measured CPU cost allows),
+``ours_cross_host_mb, peer_cross_host_mb`` with ``ours_cross_host_theory_mb, peer_cross_host_theory_mb`` (bytes
+sent across hosts per rank per step, measured and in theory) and ``spread`` (how far two runs
 of the same implementation in this run are apart: the noise to read the ratio against). The report is data-driven: a
 row a benchmark adds shows up in the table and the chart as it is, and an optional column appears when some
 row fills it. The summary table replaces the block between the report markers at the top of RESULTS.md;
@@ -54,7 +55,9 @@ def runs(quick: bool) -> list[Run]:
         Run("allreduce", ["allreduce", "--world", "2", "--min", "4K", "--max", "64M"], 15),
         Run("ddp", ["strategies", "ddp", *repeats], 110 if quick else 200),
         Run("fsdp", ["strategies", "fsdp", *repeats], 150 if quick else 280),
+        Run("hybrid", ["strategies", "hybrid", *repeats], 240 if quick else 480),  # issue 27: 2 hosts x 2 ranks
         Run("pipeline", ["strategies", "pipeline"], 55),
+        Run("pipeline_split", ["pipeline_split"], 240),
         Run("offload_hooks", ["offload_overhead"], 12),
         Run("offload", ["offload_gpu"], 120, needs_cuda=True),
     ]
@@ -82,7 +85,12 @@ def run_one(run: Run, logs: Path) -> list[dict]:
         print(f"{run.name}: failed (exit {proc.returncode}); see {log}", file=sys.stderr)
         return []
     data = json.loads(out.read_text())
-    converters = {"allreduce": allreduce_rows, "offload_hooks": offload_hook_rows, "offload": offload_gpu_rows}
+    converters = {
+        "allreduce": allreduce_rows,
+        "offload_hooks": offload_hook_rows,
+        "offload": offload_gpu_rows,
+        "pipeline_split": pipeline_split_rows,
+    }
     try:
         return converters[run.name](data) if run.name in converters else data["rows"]
     except (KeyError, IndexError, TypeError, ZeroDivisionError) as error:  # one benchmark's new shape: keep the rest
@@ -162,6 +170,19 @@ def offload_gpu_rows(data: dict) -> list[dict]:
     return rows
 
 
+def pipeline_split_rows(data: dict) -> list[dict]:
+    """The unmodified GPT-2's pipeline against torch's traced one and against our Sequential path of the same
+    layers, as samples/s; the spread is the larger of the two sides' (each ran twice in the run)."""
+    c, rates, spread = data["config"], data["samples_per_s"], data["spread"]
+    config = f"GPT-2 {c['layers']}x{c['width']}, 2 stages, 1F1B, {c['chunks']} microbatches of {c['batch']} rows"
+    return [
+        {"technique": "pipeline, unmodified model", "config": config, "ours": "PipeDream(partition(model))",
+         "peer": peer, "metric": "samples/s", "ours_value": rates["ours"], "peer_value": rates[side],
+         "spread": max(spread["ours"], spread[side])}
+        for side, peer in (("torch", "torch pipelining (traced)"), ("ours_seq", "our nn.Sequential path"))
+    ]  # fmt: skip
+
+
 def ratio(row: dict) -> float:
     """Ours over the peer (values are rates: higher is better)."""
     return row["ours_value"] / row["peer_value"]
@@ -193,6 +214,15 @@ def _floor(row: dict) -> str:
     return f"{row['floor_share']:.0%} ({row['reduction_cpu_ms']:.0f} ms CPU a step)"
 
 
+def _cross_host(row: dict) -> str:
+    """MB sent across hosts per rank per step, ours / peer, each with its theory in parentheses."""
+    keys = ("ours_cross_host_mb", "ours_cross_host_theory_mb", "peer_cross_host_mb", "peer_cross_host_theory_mb")
+    if any(row.get(k) is None for k in keys):
+        return ""
+    ours, ours_theory, peer, peer_theory = (row[k] for k in keys)
+    return f"{ours:.1f} ({ours_theory:.1f}) / {peer:.1f} ({peer_theory:.1f}) MB"
+
+
 def _memory(row: dict, kind: str) -> str:
     ours, peer = row.get(f"ours_{kind}_mib"), row.get(f"peer_{kind}_mib")
     return f"{ours:.0f} / {peer:.0f} MiB ({ours / peer:.2f})" if ours and peer else ""
@@ -206,6 +236,7 @@ _OPTIONAL_COLUMNS = (
     ("peak RSS/rank ours / peer", lambda r: _memory(r, "rss")),
     ("peak PSS/rank ours / peer", lambda r: _memory(r, "pss")),
     ("same-side spread", lambda r: f"{r['spread']:.0%}" if r.get("spread") is not None else ""),
+    ("sent across hosts/rank/step ours / peer (theory)", _cross_host),
 )
 
 
@@ -241,7 +272,9 @@ def summary(rows: list[dict], command: str) -> str:
         "(memory: ours / peer, lower is better). The share the reduction's own CPU allows is that share for a "
         "step of the no-communication run plus the CPU time the reduction itself took (ranks that own one core "
         "each cannot hide it behind compute). The same-side spread is how far apart two runs of one "
-        "implementation are in this run (slowest / fastest - 1): a ratio within it is noise.",
+        "implementation are in this run (slowest / fastest - 1): a ratio within it is noise. Sent across hosts: "
+        "the MB each rank sends to the other (simulated) host per step, measured at its torch.distributed calls "
+        "(benchmarks/cross_host.py), with the ring's theory in parentheses.",
         "",
         "| technique | config | ours | peer | metric | ours | peer | ratio |" + "".join(f" {h} |" for h, _ in columns),
         "|---|---|---|---|---|---:|---:|---:|" + "---|" * len(columns),

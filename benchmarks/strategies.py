@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-TECHNIQUES = ("ddp", "fsdp", "pipeline")
+TECHNIQUES = ("ddp", "fsdp", "hybrid", "pipeline")
 
 
 def main(argv: list[str]) -> int:

@@ -155,7 +155,7 @@ def _memory_mib() -> dict[str, float]:
     return {key.rstrip(":"): int(value) / 1024 for key, value, *_ in (line.split() for line in lines)}
 
 
-class _MemorySampler:
+class MemorySampler:
     """Peak Pss (see [Note: RSS and PSS]) of this process, sampled on a thread every ``interval`` seconds."""
 
     def __init__(self, interval: float = 0.01) -> None:
@@ -180,11 +180,11 @@ class _MemorySampler:
         return self.peak_pss
 
 
-class _Phases(L.Callback):
+class PhaseSampler(L.Callback):
     """Rss / Pss / Pss_Shmem (MiB) at each phase of the first ``steps`` steps: where the memory goes. The
     sampler stops after them, so that it does not slow the steps timed after them."""
 
-    def __init__(self, sampler: _MemorySampler, steps: int) -> None:
+    def __init__(self, sampler: MemorySampler, steps: int) -> None:
         self.sampler = sampler
         self.steps = steps
         self.rows: list[str] = []
@@ -230,7 +230,7 @@ class _Clock(L.Callback):
 
 
 def _worker(rank: int, port: int, strategy_name: str, cfg: BenchConfig, model: GPTConfig, results: Any) -> None:
-    sampler = _MemorySampler()
+    sampler = MemorySampler()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), GROUP_RANK="0",
@@ -241,7 +241,7 @@ def _worker(rank: int, port: int, strategy_name: str, cfg: BenchConfig, model: G
     rows = (cfg.steps + cfg.warmup) * cfg.batch * WORLD
     tokens = torch.randint(0, model.vocab_size, (rows, cfg.seq + 1), generator=torch.Generator().manual_seed(0))
     clock = _Clock(cfg.warmup)
-    phases = _Phases(sampler, steps=cfg.warmup)
+    phases = PhaseSampler(sampler, steps=cfg.warmup)
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=cfg.steps + cfg.warmup, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

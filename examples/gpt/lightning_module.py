@@ -36,7 +36,7 @@ class GPTLightningModule(L.LightningModule):
 
     The network is built in :meth:`configure_model`, not ``__init__``, so a sharding strategy can
     create it under its own initialization context; it is ``self.model``, the one ``nn.Sequential``
-    pipeline strategies look for. Pipeline strategies need ``cfg.tie_weights=False``.
+    pipeline strategies look for.
 
     Args:
         cfg: the model configuration: a config name (``"tiny"``, ``"small"``, ``"medium"``), a ``GPTConfig``

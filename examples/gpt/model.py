@@ -23,7 +23,7 @@ class GPTConfig:
     n_embd: int = 128  # model width (d_model)
     dropout: float = 0.0  # 0 keeps runs deterministic, which the parity tests rely on
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2
-    tie_weights: bool = True  # LM head shares the token embedding (GPT-2); pipelines across stages untie it
+    tie_weights: bool = True  # LM head shares the token embedding (GPT-2)
 
 
 CONFIGS: dict[str, GPTConfig] = {

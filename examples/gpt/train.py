@@ -32,10 +32,6 @@ from examples.gpt.data import GPTDataModule, batch_samples
 from examples.gpt.lightning_module import GPTLightningModule
 from examples.gpt.model import CONFIGS, GPTConfig
 
-# Pipeline stages hold different layers, so the LM head cannot share the embedding's weight.
-PIPELINE_STRATEGIES = ("hai_gpipe", "hai_pipedream", "hai_interleaved_1f1b")
-PIPELINE_CLASSES = ("GPipeStrategy", "PipeDreamStrategy", "Interleaved1F1BStrategy")
-
 TRAINER_DEFAULTS: dict[str, Any] = {
     "strategy": "hai_ddp",
     "max_steps": 60,
@@ -58,11 +54,6 @@ def block_size_of(cfg: Any) -> int:
     return _cfg_fields(cfg).get("block_size", GPTConfig.block_size)
 
 
-def _is_pipeline(strategy: Any) -> bool:
-    name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "")
-    return name in PIPELINE_STRATEGIES or name.rsplit(".", 1)[-1] in PIPELINE_CLASSES
-
-
 class GPTCLI(LightningCLI):
     """LightningCLI with Lightning's ThroughputMonitor always on and the data's block size tied to the model's."""
 
@@ -70,11 +61,6 @@ class GPTCLI(LightningCLI):
         parser.add_lightning_class_args(ThroughputMonitor, "throughput")
         parser.set_defaults({"throughput.batch_size_fn": batch_samples, "throughput.window_size": 50})
         parser.link_arguments("model.cfg", "data.block_size", compute_fn=block_size_of)
-
-    def before_instantiate_classes(self) -> None:
-        if not _is_pipeline(self.config.trainer.strategy):
-            return
-        self.config.model.cfg = {**_cfg_fields(self.config.model.cfg), "tie_weights": False}
 
 
 def summarize(trainer: Trainer, module: GPTLightningModule, per_rank: float | None) -> dict[str, float | None]:

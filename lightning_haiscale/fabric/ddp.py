@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -14,7 +15,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
-from lightning_haiscale.fabric.shared import NoSyncControl, Wrapped
+from lightning_haiscale.fabric.shared import NoSyncControl, Wrapped, save_file, setup_distributed
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout, strategy_repr
 from lightning_haiscale.strategies.ddp import hai_ddp_options, wrap_hai_ddp
 from lightning_haiscale.strategies.parallel import register_once
@@ -63,6 +64,10 @@ class HaiDDPStrategy(DDPStrategy):
         return strategy_repr(self, "lightning_haiscale.HaiDDPStrategy (lightning_haiscale.strategies)")
 
     @override
+    def _setup_distributed(self) -> None:
+        setup_distributed(self)
+
+    @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         wrapped = wrap_hai_ddp(module, self._determine_ddp_device_ids(), self._timeout, self._hai_kwargs)
         self._wrapped.add(wrapped)
@@ -75,6 +80,19 @@ class HaiDDPStrategy(DDPStrategy):
     @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         super().load_module_state_dict(_unwrap(module), state_dict, strict=strict)
+
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """One file, written by rank 0 so that a kill leaves the previous file or the new one (see ``save_file``)."""
+        checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        if self.is_global_zero:
+            save_file(self.checkpoint_io, checkpoint, path, storage_options)
 
     @override
     def teardown(self) -> None:

@@ -4,8 +4,9 @@
 rank 0: the module's full state dict (bare-module keys) and each optimizer's state keyed by parameter name,
 as the Trainer strategy writes them. ``"sharded"``: a ``torch.distributed.checkpoint`` folder as the Trainer
 strategy writes (see ``fsdp.dcp``) and ``meta.pt`` (everything else, and which names were the module and the
-optimizers); it loads on any number of ranks. ``fabric.load`` reads either form, and full optimizer states
-saved by ddp or one device (keyed by position).
+optimizers); it loads on any number of ranks. Both are published atomically: a rank killed at any moment of
+the save leaves ``path`` as the previous save or the new one (see ``checkpoint_files.py``). ``fabric.load``
+reads either form, and full optimizer states saved by ddp or one device (keyed by position).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_haiscale.checkpoint_files import folder_checkpoint
-from lightning_haiscale.fabric.shared import NoSyncControl, Sharded, Wrapped
+from lightning_haiscale.fabric.shared import NoSyncControl, Sharded, Wrapped, save_file, setup_distributed
 from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
@@ -127,6 +128,10 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
         super().setup_environment()
         agree_on_inf(self.precision, type(self).__name__)  # 16-mixed: see [Note: fp16 on a split model]
 
+    @override
+    def _setup_distributed(self) -> None:
+        setup_distributed(self)
+
     # ---------------------------------------------------------------------------- model
 
     @override
@@ -209,7 +214,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
             else:
                 full[name] = value.state_dict() if hasattr(value, "state_dict") else value
         if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(full, path, storage_options=storage_options)
+            save_file(self.checkpoint_io, full, path, storage_options)
         self.barrier()
 
     def _save_sharded(
@@ -227,7 +232,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
             save_dcp(staging, model.sharded_state_dict(), shards, model.process_group)
             if self.is_global_zero:
                 names = {"module": module, "optimizers": optimizers}
-                self.checkpoint_io.save_checkpoint({**rest, _NAMES: names}, staging / _META_FILE, storage_options)
+                save_file(self.checkpoint_io, {**rest, _NAMES: names}, staging / _META_FILE, storage_options)
 
     @override
     def load_checkpoint(

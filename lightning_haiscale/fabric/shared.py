@@ -1,5 +1,6 @@
-"""What the Fabric strategies share: one backward-sync control over the wrappers' ``no_sync()``, and the
-record of the wrappers a strategy made, which its teardown closes.
+"""What the Fabric strategies share: one backward-sync control over the wrappers' ``no_sync()``, the record of
+the wrappers a strategy made, which its teardown closes, the process group's setup on a store that survives
+torchrun's restarts, and the atomic write of a checkpoint file.
 
 The private Fabric names they build on (``_BackwardSyncControl``, ``_Sharded``: interfaces every Fabric strategy
 implements) are imported in this one module, so a Lightning upgrade touches one place, as
@@ -9,13 +10,21 @@ implements) are imported in this one module, so a Lightning upgrade touches one 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Protocol
+from typing import Any, Protocol
 
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["NoSyncControl", "Sharded", "Wrapped"]
+from lightning_haiscale.checkpoint_files import file_checkpoint
+from lightning_haiscale.strategies.parallel import init_dist_connection
+
+__all__ = ["NoSyncControl", "Sharded", "Wrapped", "save_file", "setup_distributed"]
 
 Sharded = _Sharded  # Fabric's interface of a strategy that shards parameters at creation
 
@@ -61,3 +70,27 @@ class Wrapped:
         for wrapper in self._wrappers:
             wrapper.close()
         self._wrappers.clear()
+
+
+def setup_distributed(strategy: DDPStrategy) -> None:
+    """Fabric ``DDPStrategy._setup_distributed``, on a store that survives torchrun's restarts (see
+    :mod:`lightning_haiscale.restart_store`): a killed rank costs one restart, with torchrun's defaults."""
+    strategy._set_world_ranks()
+    strategy._process_group_backend = strategy._get_process_group_backend()
+    environment = strategy.cluster_environment
+    if environment is None:
+        raise RuntimeError(f"{type(strategy).__name__} has no cluster environment: set it up through Fabric")
+    init_dist_connection(environment, strategy._process_group_backend, strategy._timeout, strategy.root_device)
+
+
+def save_file(io: CheckpointIO, checkpoint: dict[str, Any], path: Any, storage_options: Any | None) -> None:
+    """Writes one checkpoint file so that a kill leaves ``path`` as it was or as the new file (see
+    [Note: atomic publication] in ``checkpoint_files.py``): with Fabric's default ``TorchCheckpointIO`` and a
+    local path, ``torch.save`` to a staging sibling, then one rename (its own ``_atomic_save`` would leave a
+    temporary file in ``$TMPDIR`` when killed). Another ``CheckpointIO``, or a remote path, writes as it does."""
+    filesystem, local = fsspec.core.url_to_fs(str(path))
+    if type(io) is not TorchCheckpointIO or storage_options is not None or not isinstance(filesystem, LocalFileSystem):
+        io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        return
+    with file_checkpoint(local) as staging, open(staging, "wb") as file:
+        torch.save(checkpoint, file)

@@ -220,9 +220,9 @@ class FullyShardedDataParallel(nn.Module):
                 return communicator, None, communicator.group
             process_group = communicator.group
         shard, replicate, whole = strategy_groups(strategy, process_group, device_mesh)
-        if communicator is not None and strategy is ShardingStrategy.NO_SHARD:
-            return Communicator(shard, timeout=timeout), communicator if replicate is not None else None, whole
-        if communicator is not None:
+        if communicator is not None and strategy is ShardingStrategy.NO_SHARD and replicate is not None:
+            return Communicator(shard, timeout=timeout), communicator, whole
+        if communicator is not None:  # unused: hybrid groups, or NO_SHARD on one rank (nothing to replicate)
             communicator.close()
         replicate_comm = Communicator(replicate, timeout=timeout) if replicate is not None else None
         return Communicator(shard, timeout=timeout), replicate_comm, whole

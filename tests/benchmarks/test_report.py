@@ -143,6 +143,22 @@ def test_gpu_offload_rows_from_its_json() -> None:
     assert rows[0]["config"] == "GPT config=medium (355M parameters, vocab 50257), ratio 0"
 
 
+def test_pipeline_split_rows_from_its_json() -> None:
+    """pipeline_split.py writes one report: ours against torch's traced pipeline and against our Sequential path,
+    each row with the larger spread of its two sides."""
+    data = {
+        "config": {"layers": 8, "width": 256, "chunks": 4, "batch": 16},
+        "samples_per_s": {"ours": 20.0, "torch": 16.0, "ours_seq": 20.5},
+        "spread": {"ours": 0.02, "torch": 0.05, "ours_seq": 0.01},
+    }
+    rows = report.pipeline_split_rows(data)
+    assert [(r["peer"], round(report.ratio(r), 3), r["spread"]) for r in rows] == [
+        ("torch pipelining (traced)", 1.25, 0.05),
+        ("our nn.Sequential path", 0.976, 0.02),
+    ]
+    assert rows[0]["config"] == "GPT-2 8x256, 2 stages, 1F1B, 4 microbatches of 16 rows"
+
+
 def test_same_side_spread_is_a_column_only_where_measured() -> None:
     """The pipeline benchmark's abba order runs each side twice; how far those runs are apart is its noise."""
     from benchmarks.strategy_pipeline import spread

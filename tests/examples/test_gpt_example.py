@@ -95,7 +95,7 @@ def test_trainer_flags_and_strategy_arguments_come_from_yaml(tmp_path) -> None:
     strategy = cli.trainer.strategy
     assert isinstance(strategy, PipeDreamStrategy) and strategy.chunks == 2 and strategy.balance == [3, 4]
     assert cli.trainer.accumulate_grad_batches == 3 and cli.trainer.max_steps == 7
-    assert cli.model.cfg == config("small", tie_weights=False)  # stages cannot share the embedding
+    assert cli.model.cfg == config("small")  # tied: the stages holding the embedding and the head share it
     assert cli.model.lr == 0.01
     assert cli.datamodule.block_size == 1024  # follows the model's context
 

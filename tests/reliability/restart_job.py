@@ -7,10 +7,7 @@ worker appends ``generation rank pid`` to ``WORKDIR/generations`` when it starts
 saves its local parameters (its shard or stage) to ``WORKDIR/weights_rank<r>.pt``. A kill at step ``s``
 happens on rank 1 at the start of its step ``s`` and is recorded by the file ``WORKDIR/killed_<s>`` (written
 before the kill), so a resumed generation passes that step. ``save:R:K`` kills rank R just before its K-th
-file operation (open for writing, rename, remove, mkdir, the exchange's symbol lookup) under ``WORKDIR/ckpt``
-in the saves at the end of epoch 1 (or the first saves after a resume past it); the ``save:`` kills are done
-in order, one per generation (markers ``killed_save_<i>``). Every run records each rank's operations in the
-saves at the end of epoch 1 to ``WORKDIR/save_ops_rank<r>``.
+file operation in the saves at the end of epoch 1 (see ``save_kills.py``).
 
 [Note: where a resume is exact] The checkpoint is taken at each epoch's end (``every_n_epochs=1``). A
 checkpoint taken mid-epoch (``every_n_train_steps``) resumes with the epoch's first batches again, since a plain
@@ -36,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_haiscale  # noqa: F401 - registers the strategies
 from lightning_haiscale.strategies import HaiDDPStrategy, HaiFSDPStrategy, PipeDreamStrategy
+from tests.reliability.save_kills import SaveKiller, log_generation, save_killer, save_local_weights
 
 STEPS_PER_EPOCH = 4  # per rank: 32 rows / 2 ranks / batch 4
 EPOCHS = 4
@@ -92,59 +90,17 @@ class KillAt(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-SAVE_EPOCH = 1  # the saves at the end of this epoch (or, resumed past it, of the next) are the ones killed
-_SAVE_EVENTS = ("open", "os.rename", "os.remove", "os.mkdir", "shutil.rmtree", "ctypes.dlsym")
-
-
 class KillInSave(L.Callback):
-    """Logs this rank's file operations under the checkpoint folder during the saves at the end of epoch
-    ``SAVE_EPOCH`` (an audit hook: it runs before each operation), and SIGKILLs this rank before the
-    ``kill_before``-th of them (1-based) in the first saves of an epoch from ``SAVE_EPOCH`` on, if given."""
+    """Arms the :class:`SaveKiller` for the saves at the end of each epoch (see ``save_kills.py``)."""
 
-    def __init__(self, workdir: Path, rank: int, kill_before: int | None, marker: Path | None) -> None:
-        self.folder, self.ops = str(workdir / "ckpt"), workdir / f"save_ops_rank{rank}"
-        self.kill_before, self.marker = kill_before, marker
-        self.armed, self.epoch, self.count = False, 0, 0
-        sys.addaudithook(self._audit)
+    def __init__(self, killer: SaveKiller) -> None:
+        self.killer = killer
 
     def on_save_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        self.armed, self.epoch = trainer.current_epoch >= SAVE_EPOCH, trainer.current_epoch
+        self.killer.arm(trainer.current_epoch)
 
     def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.armed, self.count = False, 0
-
-    def _audit(self, event: str, args: tuple[Any, ...]) -> None:
-        if not self.armed or event not in _SAVE_EVENTS:
-            return
-        if event == "open" and not _writes(args):
-            return
-        paths = [os.fspath(a) for a in args if isinstance(a, str | os.PathLike)]
-        if event != "ctypes.dlsym" and not any(p.startswith(self.folder) for p in paths):
-            return
-        self.count += 1
-        if self.epoch == SAVE_EPOCH:
-            with open(self.ops, "a") as ops:  # outside the folder: not counted
-                ops.write(f"{self.count} {event} {paths[0] if paths else args[0]}\n")
-        if self.count == self.kill_before and self.marker is not None:
-            self.marker.write_text(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _writes(args: tuple[Any, ...]) -> bool:
-    mode, flags = args[1], args[2]
-    if isinstance(mode, str):
-        return any(c in mode for c in "wax+")
-    return bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-
-
-def save_kill(workdir: Path, rank: int, kills: list[str]) -> tuple[int | None, Path | None]:
-    """This generation's ``save:R:K`` kill: the first one not done yet (decided before anyone is killed)."""
-    for i, spec in enumerate(k for k in kills if k.startswith("save:")):
-        marker = workdir / f"killed_save_{i}"
-        if not marker.exists():
-            _, victim, before = spec.split(":")
-            return (int(before), marker) if int(victim) == rank else (None, None)
-    return None, None
+        self.killer.disarm()
 
 
 def strategy(name: str) -> Any:
@@ -157,9 +113,8 @@ def strategy(name: str) -> Any:
 
 def main(name: str, workdir: Path, kills: list[str]) -> None:
     rank = int(os.environ["RANK"])
-    in_save = KillInSave(workdir, rank, *save_kill(workdir, rank, kills))
-    with open(workdir / "generations", "a") as log:
-        log.write(f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {rank} {os.getpid()}\n")
+    in_save = KillInSave(save_killer(workdir, rank, kills))
+    log_generation(workdir, rank)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 4, generator=g, dtype=torch.float64), torch.randn(32, 1, generator=g).double())
     trainer = L.Trainer(
@@ -178,8 +133,7 @@ def main(name: str, workdir: Path, kills: list[str]) -> None:
         ],
     )
     trainer.fit(Regression(), DataLoader(data, batch_size=4, shuffle=True), ckpt_path="last")
-    local = {n: p.detach().clone() for n, p in trainer.strategy.model.named_parameters()}
-    torch.save({"weights": local, "global_step": trainer.global_step}, workdir / f"weights_rank{rank}.pt")
+    save_local_weights(workdir, rank, trainer.strategy.model, trainer.global_step)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The folder publication of ``checkpoint_files`` in one process: whatever was at the final name (nothing, a
-folder, a file), it ends as the staged folder, with no staging leftover; a stale staging folder is cleared."""
+"""The publication of ``checkpoint_files`` in one process: whatever was at the final name (nothing, a folder, a
+file), it ends as the staged folder or file, with no staging leftover; a stale staging folder is cleared."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from lightning_haiscale import checkpoint_files
-from lightning_haiscale.checkpoint_files import clear_staging, folder_checkpoint, publish_folder, staging_folder
+from lightning_haiscale.checkpoint_files import (
+    clear_staging,
+    file_checkpoint,
+    folder_checkpoint,
+    publish_folder,
+    staging_folder,
+)
 
 
 def _stage(final: Path, text: str) -> None:
@@ -50,3 +56,31 @@ def test_a_stale_staging_folder_is_cleared_and_a_failed_save_publishes_nothing(t
         staging.mkdir()
         raise RuntimeError("disk full")
     assert (final / "meta.pt").read_text() == "old"
+
+
+@pytest.mark.parametrize("before", ["nothing", "a folder", "a file", "a stale staging file"])
+def test_a_file_checkpoint_replaces_whatever_was_there(tmp_path: Path, before: str) -> None:
+    final = tmp_path / "sub" / "last.ckpt"  # the parent is created
+    if before == "a folder":
+        final.mkdir(parents=True)
+        (final / "meta.pt").write_text("old")
+    elif before == "a file":
+        final.parent.mkdir()
+        final.write_text("old")
+    elif before == "a stale staging file":
+        final.parent.mkdir()
+        staging_folder(final).write_text("from a killed save")
+    with file_checkpoint(final) as staging:
+        assert not staging.exists()
+        staging.write_text("new")
+    assert final.read_text() == "new"
+    assert sorted(p.name for p in final.parent.iterdir()) == ["last.ckpt"]
+
+
+def test_a_failed_file_checkpoint_publishes_nothing(tmp_path: Path) -> None:
+    final = tmp_path / "last.ckpt"
+    final.write_text("old")
+    with pytest.raises(RuntimeError, match="disk full"), file_checkpoint(final) as staging:
+        staging.write_text("half")
+        raise RuntimeError("disk full")
+    assert final.read_text() == "old"

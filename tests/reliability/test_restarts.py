@@ -27,14 +27,17 @@ KILLS = [5, 11]
 JOB_TIMEOUT_S = 420  # a generation starts in ~10 s here; several tests may share the 2 cores
 
 
-def run_torchrun(strategy: str, workdir: Path, kills: list[int] | list[str]) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone --nproc-per-node 2 --max-restarts 3 restart_job.py ...`` (more restarts for more
-    kills), with torchrun's defaults (no ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``); stopped if it overruns."""
-    workdir.mkdir(parents=True, exist_ok=True)
+def run_torchrun(
+    strategy: str, workdir: Path, kills: list[int] | list[str], job: Path = JOB
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node 2 --max-restarts 3 restart_job.py ...`` (or ``job``; more restarts
+    for more kills), with torchrun's defaults (no ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``) and ``TMPDIR`` at
+    ``workdir/tmp``; stopped if it overruns."""
+    (workdir / "tmp").mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_DISABLE_SHARE", "TORCHELASTIC", "MASTER_"))}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TMPDIR=str(workdir / "tmp"))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command += ["--max-restarts", str(max(3, len(kills))), str(JOB), strategy, str(workdir), *map(str, kills)]
+    command += ["--max-restarts", str(max(3, len(kills))), str(job), strategy, str(workdir), *map(str, kills)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)  # fmt: skip
     try:
