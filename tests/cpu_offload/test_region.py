@@ -19,6 +19,7 @@ from lightning_haiscale.cpu_offload import CPUOffload, PinnedBufferPool, offload
 from lightning_haiscale.cpu_offload import region as region_module
 from lightning_haiscale.cpu_offload.stats import region_record
 from lightning_haiscale.cpu_offload.transfer import HostTransfer
+from lightning_haiscale.testing.parity import noise_tolerance
 from tests.saved_hooks import installed_hooks
 
 _TAGS = itertools.count()
@@ -189,21 +190,23 @@ def test_bad_sizes_name_the_parameter(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("ratio", [0.3, 1.0])
 def test_cuda_gradients_match(ratio):
-    """Bitwise where two reference runs agree bitwise (CUDA backward kernels may use atomics)."""
+    """Bitwise where two reference runs agree bitwise (CUDA backward kernels may use atomics); otherwise within
+    ``noise_tolerance`` of the two reference runs' own difference ([Note: parity tolerances])."""
     torch.manual_seed(0)
     model = GPT(config("tiny")).cuda()
     idx = torch.randint(0, 256, (4, 256), device="cuda")
     targets = torch.roll(idx, -1, dims=1)
     want = _grads(model, idx, targets)
-    deterministic = all(torch.equal(a, b) for a, b in zip(_grads(model, idx, targets), want, strict=True))
+    noise = max((a - b).abs().max().item() for a, b in zip(_grads(model, idx, targets), want, strict=True))
+    atol = noise_tolerance(noise, scale=max(w.abs().max().item() for w in want))
     tag = _tag()
     for _ in range(3):  # small windows: forces throttling, prefetch and buffer reuse
         region = CPUOffload(ratio, tag, min_bytes=0, max_inflight_bytes=1 << 20, prefetch_bytes=1 << 20)
         got = _grads(model, idx, targets, region)
-        if deterministic:
+        if noise == 0:
             _assert_bitwise_equal(got, want)
-        else:  # this GPU's backward kernels reorder their sums run to run: float32's default tolerances
-            torch.testing.assert_close(got, want)
+        else:  # this GPU's backward kernels reorder their sums run to run: a multiple of that run-to-run noise
+            torch.testing.assert_close(got, want, rtol=0, atol=atol)
     stats = offload_stats(tag)
     assert stats.bytes_offloaded > 0 and stats.copy_seconds > 0
     assert abs(stats.achieved_ratio - ratio) < 0.1

@@ -1,11 +1,14 @@
 """``Fabric(strategy="hai_ddp")`` and ``Fabric(strategy="hai_fsdp")`` as Fabric's documentation uses a strategy,
 against one process with SGD (momentum, so the optimizer has state) on the same rows.
 
-Each step: two microbatches, the first inside ``fabric.no_backward_sync``, then ``fabric.clip_gradients`` by
-a norm below the gradient's (so clipping acts). In float64 (``Fabric(precision="64-true")``, the reference in
-float64), to a relative 1e-9 per parameter (``FLOAT64_RTOL``, which rounding cannot reach: [Note: parity
-tolerances] in lightning_haiscale/testing/parity.py). Checkpoints: a
-``fabric.save``d state loads into a fresh setup, and one more step from each is bit-for-bit the same.
+Each step: two microbatches, the first inside ``fabric.no_backward_sync``, then ``fabric.clip_gradients``: the
+gradient norms are 2.40, 1.33 and 1.07, so a clip at 2.0 acts on the first step and not on the others (where a
+wrong gradient scale cannot be normalised away, as a clip at every step would). In float64
+(``Fabric(precision="64-true")``, the reference in float64; both under ``default_dtype(torch.float64)``, since
+Fabric casts a module's outputs to the default dtype, which would round them to float32 before the loss), to a
+relative 1e-9 per parameter (``FLOAT64_RTOL``, which rounding cannot reach: [Note: parity tolerances] in
+lightning_haiscale/testing/parity.py). Checkpoints: a ``fabric.save``d state loads into a fresh setup, and one
+more step from each is bit-for-bit the same.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import lightning_haiscale  # noqa: F401  (registers the Fabric names)
 from lightning_haiscale.fabric import HaiDDPStrategy, HaiFSDPStrategy
-from lightning_haiscale.testing.parity import FLOAT64_RTOL
+from lightning_haiscale.testing.parity import FLOAT64_RTOL, default_dtype
 from tests.distributed import run_distributed
 
-STEPS, ROWS, CLIP = 3, 4, 0.05  # ROWS per rank and microbatch
+STEPS, ROWS, CLIP = 3, 4, 2.0  # ROWS per rank and microbatch; CLIP: the module docstring
 
 
 def _model() -> nn.Module:
@@ -82,6 +85,7 @@ def _saved_weights(fabric: Fabric, model: Any, path: Path) -> dict[str, list]:
     return {k: v.tolist() for k, v in saved.items()}
 
 
+@default_dtype(torch.float64)  # the module docstring
 def _train(rank: int, world: int, name: str, tmp: str, kinds: list[str]) -> dict[str, Any]:
     fabric = Fabric(accelerator="cpu", devices=world, strategy=name, precision="64-true")
     fabric.launch()
@@ -121,7 +125,8 @@ def _joint() -> tuple[nn.Module, torch.optim.Optimizer]:
 def _check(name: str, kinds: list[str], tmp_path: Path) -> None:
     result = run_distributed(_train, 2, name, str(tmp_path), kinds, timeout=180)[0]
     assert result["all_reduce"] == 3.0 and result["broadcast"] == "from 0"
-    reference = _reference(2)
+    with default_dtype(torch.float64):
+        reference = _reference(2)
     for key, expected in reference.items():
         got = torch.tensor(result["weights"][key], dtype=expected.dtype)
         err = (got - expected).norm() / expected.norm()

@@ -1,10 +1,11 @@
 """``Trainer(strategy="hai_ddp")`` against Lightning's ``"ddp"`` and a single-process run, on externally launched ranks.
 
-One spawn checks several behaviours (the machine has 2 cores). Every check trains in float64 (``_run_all``
-builds modules, data and optimizers under ``default_dtype``; the spawn test uses ``precision="64-true"``), so
-the tolerance, relative 1e-9 of each parameter's norm (``FLOAT64_RTOL``), cannot be reached by another
-summation order (lightning_haiscale/testing/parity.py, [Note: parity tolerances]); a resumed run's losses and
-weights equal the uninterrupted run's bit-for-bit.
+One spawn checks several behaviours (the machine has 2 cores). Every check trains with SGD (momentum 0.9: Adam's
+normalised step would hide a wrong gradient scale) in float64 (``_run_all`` builds modules, data and optimizers
+under ``default_dtype``; the spawn test uses ``precision="64-true"``), so the tolerance, relative 1e-9 of each
+parameter's norm (``FLOAT64_RTOL``), cannot be reached by another summation order
+(lightning_haiscale/testing/parity.py, [Note: parity tolerances]); a resumed run's losses and weights equal the
+uninterrupted run's bit-for-bit (with the same SGD momentum buffers).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import lightning_haiscale  # noqa: F401  (registers "hai_ddp")
-from examples.gpt.lightning_module import GPTLightningModule, decay_groups
+from examples.gpt.lightning_module import GPTLightningModule
 from examples.gpt.model import config, lm_loss
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.strategies import HaiDDPStrategy
@@ -38,6 +39,14 @@ from tests.strategies.helpers import lm_dataset, quiet_fit
 
 CFG = config("tiny", n_layer=2, n_embd=32, n_head=2, block_size=16, bias=False)  # see tests/ddp: no biases
 BATCH = 2  # sequences per rank
+LR = 0.5  # SGD's
+
+
+class _SGDGPT(GPTLightningModule):
+    """The GPT example's module with the parity tests' optimizer."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
 
 class _Losses(L.Callback):
@@ -49,9 +58,9 @@ class _Losses(L.Callback):
             self.losses.append(float(outputs["loss"]))
 
 
-def _gpt_module() -> GPTLightningModule:
+def _gpt_module() -> _SGDGPT:
     torch.manual_seed(0)
-    module = GPTLightningModule(CFG)
+    module = _SGDGPT(CFG)
     module.configure_model()  # weights known before fit, for the reference
     return module
 
@@ -66,7 +75,7 @@ def _assert_close(model: nn.Module, ref: nn.Module, rel: float = FLOAT64_RTOL) -
 def _reference(module: GPTLightningModule, world: int, steps: int, data: TensorDataset) -> nn.Module:
     """One process whose batch is every rank's batch of the step, dealt as Lightning's sampler deals them."""
     ref = copy.deepcopy(module.model)
-    opt = torch.optim.AdamW(decay_groups(ref.named_parameters(), module.weight_decay), lr=module.lr, betas=(0.9, 0.95))
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
     samplers = [DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0) for r in range(world)]
     for step in range(steps):
         rows = [i for s in samplers for i in list(s)[step * BATCH : (step + 1) * BATCH]]  # within epoch 0
@@ -116,7 +125,7 @@ def _resume_gives_same_losses(rank: int, world: int, tmp: Path) -> None:
     assert all(torch.equal(v, expected[k]) for k, v in second.state_dict().items())
 
 
-class _ManualGPT(GPTLightningModule):
+class _ManualGPT(_SGDGPT):
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
         self.automatic_optimization = False

@@ -2,9 +2,12 @@
 
 One spawn at world 2 checks several behaviours (parity with accumulation and clipping, checkpoints,
 bf16; 2 shared cores), one at world 4 resumes its sharded and full checkpoints with the same losses.
-The parity check trains in float64 (``default_dtype``): relative 1e-9 of each parameter (``FLOAT64_RTOL``, which
-rounding cannot reach: [Note: parity tolerances] in lightning_haiscale/testing/parity.py); a resumed run's
-losses and weights equal the uninterrupted run's bit-for-bit; bf16 against fp32 at its own rounding.
+The parity check trains with SGD (momentum 0.9; Adam's normalised step would hide a wrong gradient scale) in
+float64 (``default_dtype``): relative 1e-9 of each parameter (``FLOAT64_RTOL``, which rounding cannot reach:
+[Note: parity tolerances] in lightning_haiscale/testing/parity.py; one rank's gradient scaled by 1 + 1e-6 moves
+a parameter by ~1e-7 relative here). The resume checks keep the example's AdamW, whose state (two moments and a
+step count per parameter) is what they move between shardings, and compare bit-for-bit; bf16 against fp32 at
+its own rounding.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_haiscale  # noqa: F401  (registers "hai_fsdp")
-from examples.gpt.lightning_module import GPTLightningModule, decay_groups
+from examples.gpt.lightning_module import GPTLightningModule
 from examples.gpt.model import GPT, Block, config, lm_loss
 from lightning_haiscale import fabric
 from lightning_haiscale.fsdp import FullyShardedDataParallel
@@ -36,7 +39,10 @@ from tests.strategies.helpers import lm_dataset, quiet_fit
 
 CFG = config("tiny", n_layer=2, n_embd=36, n_head=3, vocab_size=67, block_size=16, bias=False)
 BATCH = 2  # sequences per rank
-CLIP = 0.5  # gradient_clip_val: below the gradient norm of this model, so clipping acts
+LR = 0.5  # the parity check's SGD
+# gradient_clip_val: the parity check's gradient norms are 0.0188, 0.0156 and 0.0171, so clipping acts on steps 1
+# and 3 (the norm taken across shards) and not on step 2 (where a wrong gradient scale cannot be normalised away)
+CLIP = 0.0165
 
 
 class _GPT(GPTLightningModule):
@@ -47,6 +53,13 @@ class _GPT(GPTLightningModule):
     def configure_model(self) -> None:
         super().configure_model()
         self.built_on_meta = all(p.is_meta for p in self.model.parameters())
+
+
+class _SGDGPT(_GPT):
+    """The parity check's optimizer: SGD with momentum (so the optimizer has state)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
 
 class _Losses(L.Callback):
@@ -68,7 +81,7 @@ def _reference(data: TensorDataset, world: int, steps: int, accumulate: int) -> 
     ref = GPT(CFG)
     for module in ref.modules():
         deterministic_init(module)
-    opt = torch.optim.AdamW(decay_groups(ref.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.95))
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
     rows = [list(DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0)) for r in range(world)]
     for step in range(steps):
         per_rank = []
@@ -90,7 +103,7 @@ def _reference(data: TensorDataset, world: int, steps: int, accumulate: int) -> 
 @default_dtype(torch.float64)
 def _parity_accumulation_and_full_checkpoint(rank: int, world: int, tmp: Path) -> None:
     data = lm_dataset(CFG, 6 * world * BATCH)
-    module = _GPT(CFG)
+    module = _SGDGPT(CFG)
     trainer = quiet_fit(module, _strategy(), 3, data, BATCH, accumulate_grad_batches=2, gradient_clip_val=CLIP)
     assert module.built_on_meta, "configure_model ran outside the meta device"
     assert trainer._accelerator_connector.is_distributed

@@ -4,8 +4,11 @@ full checkpoint resumes under ddp, hai_ddp and one device.
 Was: a ddp, hai_ddp or single-device checkpoint failed with ``KeyError: 0`` in ``fsdp/optim_state.py``:
 torch keys optimizer states by position, hai_fsdp expected parameter names. SGD with momentum (whose
 buffers change every later step, so a lost state shows) in two parameter groups (positions run across
-groups); ddp into hai_fsdp also with AdamW. Each source trains 6 steps with a checkpoint at step 3;
-resuming at step 3 under another strategy must give the source's own losses for steps 4-6: bit-for-bit
+groups); ddp into hai_fsdp also with AdamW, whose state (two moments and a step count per parameter) is the
+point there: this test compares a resumed run with its own source, not with a reference, so Adam's normalised
+step hides nothing it checks (a lost or misplaced moment changes the next update by order lr). Each source
+trains 6 steps with a checkpoint at step 3; resuming at step 3 under another strategy must give the source's
+own losses for steps 4-6: bit-for-bit
 from hai_fsdp checkpoints into hai_fsdp, and across strategies (a different reduction order; one device sums
 the batch in one piece) in float64 (``default_dtype``) to a relative 1e-9 (``FLOAT64_RTOL``, which rounding
 cannot reach: [Note: parity tolerances] in lightning_haiscale/testing/parity.py).
