@@ -25,3 +25,6 @@ if __name__ == "__main__":
         optimizer.zero_grad()
     last = torch.tensor(float(losses.sum()) if losses is not None else 0.0)  # only the last stage has losses
     fabric.print(f"final loss {float(fabric.all_reduce(last, reduce_op='sum')):.4f}")  # printed by rank 0
+    # gloo's worker thread may still hold the all-reduce's tensors; one that frees them while Python finalizes
+    # aborts the process ("terminate called without an active exception"): end the group, which joins it, first
+    torch.distributed.destroy_process_group()
