@@ -4,10 +4,10 @@
 torch's ``checkpoint_wrapper`` replaces each chosen module by a ``CheckpointWrapper`` holding it as
 ``_checkpoint_wrapped_module``; its forward keeps only its inputs, and backward runs the module's forward
 again. Applied before :class:`~lightning_haiscale.fsdp.FullyShardedDataParallel` wraps the model, a unit chosen
-by ``auto_wrap_policy`` (a ``Block``) is the wrapped module itself, so its forward hooks run again in the
-recomputation: the unit gathers its parameters again just before its backward needs them, as torch FSDP's
-units do. Parameter names then hold ``_checkpoint_wrapped_module.``; the wrapper's state dicts use the plain
-model's keys.
+by ``auto_wrap_policy`` (a ``Block``) is the wrapped module itself: its pre-backward hook gathers its parameters
+again just before the recomputation reads them, as torch FSDP's units do, and its forward hooks, run again by
+the recomputation, prefetch and reshard nothing (fully_sharded [Note: recomputation]). Parameter names then
+hold ``_checkpoint_wrapped_module.``; the wrapper's state dicts use the plain model's keys.
 """
 
 from __future__ import annotations

@@ -18,6 +18,18 @@ autograd engine by the root's pre-backward hook waits for the last reductions on
 done, and gives the pieces their ``.grad``.
 All ranks must run the same units in the same order, as with torch FSDP.
 
+[Note: recomputation]
+Under activation checkpointing (``fsdp.checkpointing``) backward runs a unit's forward again, and its forward
+hooks with it, after its pre-backward hook has gathered it. Run as in forward, the pre-forward hook started
+the all-gather of the next unit in forward order, whose backward was already done, and nothing resharded that
+unit before the next step: every recomputation left one more unit gathered, and checkpointing raised the peak
+memory instead of cutting it. So from the first backward hook to the end of backward, a unit's forward is a
+recomputation: its pre-forward hook gathers the unit (one inside a larger checkpointed module may not be
+gathered yet) and prefetches nothing; its post-forward hook does nothing once the unit's backward has begun
+(its backward reads the parameters next; torch's reentrant checkpoint reaches that hook, the non-reentrant
+one stops the recomputation before it), and otherwise reshards and registers the pre-backward hook as in
+forward. FSDP2 skips its hooks the same way (its ``PRE_BACKWARD`` state).
+
 [Note: one reduce-scatter in flight]
 A reduce-scatter reads the unit's whole unsharded gradient, which the engine keeps alive until the
 collective is waited on. Waiting for all of them only at the end of backward kept every unit's unsharded
@@ -198,7 +210,7 @@ class FullyShardedDataParallel(nn.Module):
         self._backward_order: list[FSDPParamGroup] | None = None
         self._recording: list[FSDPParamGroup] = []
         self._pre_backward_done: set[int] = set()
-        self._callback_queued = False
+        self._in_backward = False  # from the first backward hook to _finalize_backward (see [Note: recomputation])
         self._reducing: FSDPParamGroup | None = None  # the unit whose reduce-scatter started last
         self._unfinished: dict[int, FSDPParamGroup] = {}  # units holding gradients, their backward not done
         self._state_dict_type = StateDictType.FULL
@@ -270,7 +282,7 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._open()
         self._pre_backward_done.clear()
-        self._callback_queued = False
+        self._in_backward = False
         if self._root_group is not None:
             self._pre_forward(self._root_group)
         if self.mixed_precision is not None and self.mixed_precision.cast_forward_inputs:
@@ -295,9 +307,16 @@ class FullyShardedDataParallel(nn.Module):
         group.use_unsharded_views()
 
     def _unit_pre_forward(self, group: FSDPParamGroup, module: nn.Module, args: Any) -> None:
+        if self._in_backward:  # a recomputation: gather, but prefetch nothing (see [Note: recomputation])
+            group.unshard()
+            group.wait_unshard()
+            group.use_unsharded_views()
+            return
         self._pre_forward(group)
 
     def _unit_post_forward(self, group: FSDPParamGroup, module: nn.Module, args: Any, output: Any) -> None:
+        if self._in_backward and id(group) in self._pre_backward_done:
+            return  # a recomputation inside the unit's own backward, which reads the gathered parameters next
         if self.reshard_after_forward:
             group.reshard()
         tensors = _grad_tensors(output) if torch.is_grad_enabled() else []
@@ -310,9 +329,9 @@ class FullyShardedDataParallel(nn.Module):
     def _queue_finalize(self) -> None:
         """Runs :meth:`_finalize_backward` once the whole backward is done (queued once per backward, from
         whichever hook fires first), the way torch DDP and FSDP do."""
-        if not self._callback_queued:
+        if not self._in_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-            self._callback_queued = True
+            self._in_backward = True
 
     def _root_pre_backward(self, grad: torch.Tensor | None = None) -> None:
         self._queue_finalize()
@@ -364,7 +383,7 @@ class FullyShardedDataParallel(nn.Module):
             self._backward_order, self._recording = self._recording, []
         self._pre_backward_done.clear()
         self._unfinished.clear()
-        self._callback_queued = False
+        self._in_backward = False
         self._reducing = None
 
     # ------------------------------------------------------------------------- public API

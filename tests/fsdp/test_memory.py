@@ -1,16 +1,23 @@
 """hai_fsdp's memory during backward (issue #15, GPT-2 Medium's peak): at most two units' unsharded gradients
 alive at once (fully_sharded [Note: one reduce-scatter in flight]), and a root unit whose backward is
 interrupted by the others' keeps no gradient across them and makes no flat copy of its gradients
-(param_group [Note: reducing a unit's gradients])."""
+(param_group [Note: reducing a unit's gradients]); under activation checkpointing, recomputing a unit gathers no
+other unit (fully_sharded [Note: recomputation])."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import weakref
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.utils.checkpoint import checkpoint
 
 import lightning_haiscale.fsdp.param_group as param_group
@@ -65,6 +72,54 @@ def test_at_most_two_unsharded_gradients_alive() -> None:
         assert len(r["units"]) >= 4 and r["reduced"] >= 2 * r["model"]  # a sound count: every gradient, both steps
         two_largest = sum(sorted(r["units"])[-2:])
         assert r["most"] <= two_largest, f"{r['most']} bytes of unsharded gradients alive at once"
+
+
+def _gathered_units(rank: int, world: int, impl: str | None) -> dict:
+    """The most units gathered at once during backward, and how many stay gathered after it, with every Block
+    checkpointed (``impl``: torch's ``CheckpointImpl`` name) or not (``None``), over three steps."""
+    model = GPT(config("tiny", n_layer=6))
+    if impl is not None:
+        wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl[impl])
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, Block))
+    gathered: set[int] = set()
+    most_in_backward, after_backward, in_backward = 0, [], False
+    unshard, reshard = param_group.FSDPParamGroup.unshard, param_group.FSDPParamGroup.reshard
+
+    def recording_unshard(group: param_group.FSDPParamGroup, async_op: bool = False) -> None:
+        nonlocal most_in_backward
+        unshard(group, async_op)
+        gathered.add(id(group))
+        if in_backward:
+            most_in_backward = max(most_in_backward, len(gathered))
+
+    def recording_reshard(group: param_group.FSDPParamGroup) -> None:
+        reshard(group)
+        gathered.discard(id(group))
+
+    param_group.FSDPParamGroup.unshard = recording_unshard  # this spawned process only
+    param_group.FSDPParamGroup.reshard = recording_reshard
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy={Block})
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    for batch in batches(3, 2 * world):
+        loss = loss_of(wrapped, local(batch, rank, world))
+        in_backward = True
+        loss.backward()
+        in_backward = False
+        after_backward.append(len(gathered))
+        opt.step()
+        opt.zero_grad()
+    return {"most": most_in_backward, "after": after_backward}
+
+
+def test_recomputed_units_gather_no_other_unit() -> None:
+    # Without checkpointing backward holds the root, the unit in backward and the next one prefetched. A
+    # recomputed unit's pre-forward hook used to prefetch its successor in forward order, whose backward was
+    # done: each recomputation left one more unit gathered until the next forward (5 of 7 after backward).
+    plain = run_distributed(_gathered_units, 2, None)
+    for impl in ("NO_REENTRANT", "REENTRANT"):
+        for r, p in zip(run_distributed(_gathered_units, 2, impl), plain, strict=True):
+            assert p["after"] == [0, 0, 0] and r["after"] == [0, 0, 0], (impl, r, p)
+            assert r["most"] <= p["most"] <= 3, (impl, r, p)
 
 
 # A root holding a large untied embedding and head (4 MiB each) around two small blocks: GPT-2 Medium's shape.
