@@ -98,6 +98,14 @@ class HaiDDPStrategy(DDPStrategy):
     def __repr__(self) -> str:
         return strategy_repr(self, "lightning_haiscale.fabric.HaiDDPStrategy")
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """True: the weights load once ``setup`` has given the module its training dtype. Loaded before, as
+        Lightning's ``ddp`` loads them, a ``"64-true"`` checkpoint went through the float32 module first and
+        resumed rounded (about 1e-8 off)."""
+        return True
+
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         return wrap_hai_ddp(model, self.determine_ddp_device_ids(), self._timeout, self._hai_kwargs)
