@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Tie", "TiedParameters", "find_ties"]
+__all__ = ["Tie", "TiedParameters", "find_ties", "ties_within_a_rank"]
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,12 @@ def find_ties(stages: Sequence[nn.Module], prefix: str = "") -> list[Tie]:
             held = owners.setdefault(id(param), [])
             if all(s != index for s, _ in held):
                 held.append((index, prefix + name))
-    return [
-        Tie(tuple(s for s, _ in held), tuple(n for _, n in held)) for held in owners.values() if len(held) > 1
-    ]
+    return [Tie(tuple(s for s, _ in held), tuple(n for _, n in held)) for held in owners.values() if len(held) > 1]
+
+
+def ties_within_a_rank(ties: Sequence[Tie], ranks: int) -> list[Tie]:
+    """The ties two of whose stages run on one rank of a pipeline of ``ranks`` ranks (interleaved chunks)."""
+    return [t for t in ties if len({s % ranks for s in t.stages}) < len(t.stages)]
 
 
 class TiedParameters:

@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups
+from lightning_haiscale.pipeline.ties import ties_within_a_rank
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
 from lightning_haiscale.strategies.pipeline_arguments import check_pipeline_arguments
 from lightning_haiscale.strategies.pipeline_checkpoint import PipelineCheckpoints
@@ -213,6 +214,16 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
     def _wrap_stages(self, fitting: bool) -> list[nn.Module]:
         if not fitting or self.world_size == self.stages_per_pipeline:
             return list(self._stages)
+        ties = next((s.ties for s in self._stages if getattr(s, "ties", None)), [])
+        shared = ties_within_a_rank(ties, self.stages_per_pipeline)
+        if shared:  # every rank knows every tie: all raise, before any collective
+            raise ValueError(
+                f"{type(self).__name__}(pp_size={self.pp_size}) trains {self.world_size // self.stages_per_pipeline} "
+                f"pipelines data parallel, and {shared[0].describe()} is one parameter held by two model chunks "
+                "of one rank; each chunk reduces its gradients over the data-parallel ranks on its own, so a "
+                "parameter two chunks share is not supported there. Untie it, choose split_points that keep its "
+                "uses in one stage, or train one pipeline over every rank (pp_size=None)"
+            )
         return [DistributedDataParallel(s, process_group=self._dp_group) for s in self._stages]
 
     def _build_pipeline(self, stages: list[nn.Module]) -> Pipeline:
