@@ -19,11 +19,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PLAIN = ["ddp", "fsdp", "pipeline", "cpu_offload", "hfreduce_allreduce"]
 LIGHTNING = ["ddp", "fsdp", "pipeline", "cpu_offload"]
+_LAUNCHER_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+)
 
 
 def _run(args: list[str], cwd: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("PL_GLOBAL_SEED", None)
+    # A script starts its own processes, as from a user's shell: no seed and no launcher's rendezvous (an
+    # in-process Trainer earlier in the session leaves MASTER_PORT set, its store still listening there).
+    for inherited in ("PL_GLOBAL_SEED", *_LAUNCHER_VARIABLES):
+        env.pop(inherited, None)
     proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
