@@ -32,7 +32,7 @@ from lightning_haiscale.pipeline.schedule import (
     interleaved_order,
     one_f_one_b_order,
 )
-from lightning_haiscale.pipeline.ties import TiedParameters
+from lightning_haiscale.pipeline.ties import Tie, TiedParameters
 
 __all__ = [
     "GPipe",
@@ -41,6 +41,7 @@ __all__ = [
     "Pipeline",
     "batch_rows",
     "microbatch_sizes",
+    "recorded_ties",
     "split_batch",
     "split_microbatches",
 ]
@@ -153,7 +154,7 @@ class Pipeline(nn.Module):
         self._programs: dict[tuple[int, bool, bool], list[Action | Batch]] = {}  # this rank's, per step kind
         self._receive_buffers = BufferPool()  # receive buffers kept between steps, as torch's PipelineStage keeps its
         self.peak_live = 0
-        self.tied = _tied_parameters(modules, process_group)
+        self.tied = TiedParameters(*recorded_ties(modules), process_group)
         self.tied.broadcast_()  # tied copies start equal: the first holder's value
         self.schedule(chunks)  # build and check the training schedule now: errors before any step
 
@@ -428,15 +429,16 @@ def _check_labels(inputs: Sequence[Any], labels: Sequence[Any]) -> None:
         )
 
 
-def _tied_parameters(modules: Sequence[nn.Module], group: dist.ProcessGroup | None) -> TiedParameters:
-    """The ties ``partition`` recorded on the stages (under a data-parallel wrapper's ``module``), if any."""
+def recorded_ties(modules: Sequence[nn.Module]) -> tuple[list[Tie], dict[Tie, nn.Parameter]]:
+    """The ties ``partition`` recorded on the stages (also under a data-parallel wrapper's ``module``), the same
+    on every rank, and this rank's copy of each it holds."""
     ties, local = [], {}
     for module in modules:
         stage = getattr(module, "module", module)
         if isinstance(stage, (SequentialModel, ModuleStage)):
             ties = stage.ties or ties
             local.update(stage.local_ties())
-    return TiedParameters(ties, local, group)
+    return ties, local
 
 
 def _join(outputs: dict[int, Any], n: int) -> Any:

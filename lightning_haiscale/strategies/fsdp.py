@@ -156,11 +156,6 @@ class HaiFSDPStrategy(HaiParallelStrategy):
 
     @property
     @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # checkpoints load into the sharded model and its optimizer
-
-    @property
-    @override
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint restores the optimizer pieces itself
 

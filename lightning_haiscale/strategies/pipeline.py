@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups
+from lightning_haiscale.pipeline.pipelines import recorded_ties
 from lightning_haiscale.pipeline.ties import ties_within_a_rank
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
 from lightning_haiscale.strategies.pipeline_arguments import check_pipeline_arguments
@@ -159,13 +160,6 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
 
     # ----- model -------------------------------------------------------------------------------------
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """True: each stage loads its slice once ``setup`` has given it its training dtype. Loaded before,
-        into the whole float32 module, a ``"64-true"`` checkpoint resumed rounded (about 1e-8 off)."""
-        return True
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -214,8 +208,7 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
     def _wrap_stages(self, fitting: bool) -> list[nn.Module]:
         if not fitting or self.world_size == self.stages_per_pipeline:
             return list(self._stages)
-        ties = next((s.ties for s in self._stages if getattr(s, "ties", None)), [])
-        shared = ties_within_a_rank(ties, self.stages_per_pipeline)
+        shared = ties_within_a_rank(recorded_ties(self._stages)[0], self.stages_per_pipeline)
         if shared:  # every rank knows every tie: all raise, before any collective
             raise ValueError(
                 f"{type(self).__name__}(pp_size={self.pp_size}) trains {self.world_size // self.stages_per_pipeline} "

@@ -103,15 +103,17 @@ def reference(
     rows: int = BATCH * STEPS * 2,
     dtype: torch.dtype = torch.float32,
     microbatches: int = 1,
+    model: Callable[[], nn.Module] = Classifier,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """Plain PyTorch on the batches Lightning's sampler gives (shuffled, sharded by data-parallel rank): each
     optimizer step's samples from every replica, their mean loss, gradients clipped to norm ``clip``.
 
     ``dtype``: the model's and the inputs' (``torch.float64`` is what a Trainer with ``precision="64-true"``
     trains). ``microbatches``: backpropagate each step's batch in that many pieces (the same mean loss, summed
-    in another order): what :func:`measure_noise` varies.
+    in another order): what :func:`measure_noise` varies. ``model``: builds the module (a variant of
+    :class:`Classifier`).
     """
-    module = Classifier().to(dtype)
+    module = model().to(dtype)
     opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
     x, y = data(rows).tensors
     x = x.to(dtype)

@@ -9,12 +9,11 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from lightning_haiscale.pipeline.ties import Tie, ties_within_a_rank
 from lightning_haiscale.strategies import Interleaved1F1BStrategy
-from lightning_haiscale.testing.parity import BATCH, FLOAT64_TOLERANCES, LR, Classifier, data
+from lightning_haiscale.testing.parity import BATCH, FLOAT64_TOLERANCES, Classifier, data, reference
 from tests.distributed import run_distributed
 
 STEPS = 3
@@ -41,19 +40,6 @@ def _fit(rank: int, world: int, pp_size: int) -> dict[str, Any]:
     return {"state": {k: v.tolist() for k, v in trainer.strategy.lightning_module_state_dict().items()}}
 
 
-def _one_process() -> dict[str, torch.Tensor]:
-    model = _TiedChunks().double()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    x, y = data().tensors
-    order = list(DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=0))  # Lightning's sampler
-    for step in range(STEPS):
-        rows = order[step * BATCH : (step + 1) * BATCH]
-        opt.zero_grad()
-        F.cross_entropy(model(x[rows].double()), y[rows]).backward()
-        opt.step()
-    return model.state_dict()
-
-
 def test_ties_within_a_rank() -> None:
     tie = Tie((0, 2), ("a.weight", "b.weight"))
     assert ties_within_a_rank([tie, Tie((0, 3), ("a.bias", "c.bias"))], ranks=2) == [tie]
@@ -62,7 +48,7 @@ def test_ties_within_a_rank() -> None:
 
 def test_one_pipeline_trains_a_tie_within_a_rank_like_one_process() -> None:
     (result, _) = run_distributed(_fit, 2, 2, timeout=300)
-    expected = _one_process()
+    expected, _ = reference(STEPS, BATCH, dtype=torch.float64, model=_TiedChunks)
     assert sorted(result["state"]) == sorted(expected)
     for name, value in expected.items():
         torch.testing.assert_close(

@@ -8,6 +8,7 @@ off float32's grid, so that the comparison could see that rounding.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from lightning_haiscale.testing.parity import BATCH, Classifier, data
 from tests.distributed import run_distributed
 from tests.strategies.helpers import quiet_fit
 
-STRATEGIES = {"hai_ddp": lambda: HaiDDPStrategy(), "hai_pipedream": lambda: PipeDreamStrategy(chunks=2)}
+STRATEGIES = {"hai_ddp": HaiDDPStrategy, "hai_pipedream": functools.partial(PipeDreamStrategy, chunks=2)}
 
 
 def _fit(name: str, tmp: Path, rows: int, **kwargs: Any) -> Classifier:
