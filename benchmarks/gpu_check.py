@@ -360,16 +360,23 @@ def main() -> int:
     for name in args.only.split(","):
         start = time.monotonic()
         try:
-            rows += CHECKS[name]()
+            found = CHECKS[name]()
         except Exception as error:  # one failed check must not hide the others
-            rows.append(Row(name, False, f"{type(error).__name__}: {str(error)[-1500:]}"))
+            found = [Row(name, False, f"{type(error).__name__}: {str(error)[-1500:]}")]
+        rows += found
         print(f"[{name}] {time.monotonic() - start:.0f} s", flush=True)
-    print("\n| check | ok | detail |\n|---|---|---|")
-    for row in rows:
-        print(f"| {row.check} | {'yes' if row.ok else 'NO'} | {row.detail} |")
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        _print_rows(found)
+        if args.json:  # after every check: a run stopped at its time limit keeps what it found
+            args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    print("\nAll checks:")
+    _print_rows(rows)
     return 0 if all(r.ok for r in rows) else 1
+
+
+def _print_rows(rows: list[Row]) -> None:
+    print("| check | ok | detail |\n|---|---|---|")
+    for row in rows:
+        print(f"| {row.check} | {'yes' if row.ok else 'NO'} | {row.detail} |", flush=True)
 
 
 if __name__ == "__main__":
