@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from examples.gpt.model import GPT, config, lm_loss
 from lightning_haiscale.cpu_offload import CPUOffload, PinnedBufferPool, offload_stats, reset_offload_stats
-from lightning_haiscale.cpu_offload import region as region_module
+from lightning_haiscale.cpu_offload import run as run_module
 from lightning_haiscale.cpu_offload.stats import region_record
 from lightning_haiscale.cpu_offload.transfer import HostTransfer
 from lightning_haiscale.testing.parity import noise_tolerance
@@ -255,7 +255,7 @@ def slow_transfer(monkeypatch):
             made.append(self._transfers[device])
         return self._transfers[device]
 
-    monkeypatch.setattr(region_module._Run, "_transfer", transfer)
+    monkeypatch.setattr(run_module.OffloadRun, "_transfer", transfer)
     return made
 
 
@@ -466,7 +466,7 @@ def test_ratio_0_does_no_device_work_per_saved_tensor(gpt, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("ratio 0 reached the copy machinery")
 
-    monkeypatch.setattr(region_module._Run, "_transfer", refuse)
+    monkeypatch.setattr(run_module.OffloadRun, "_transfer", refuse)
     monkeypatch.setattr(PinnedBufferPool, "acquire", refuse)
     region = CPUOffload(0.0, _tag(), min_bytes=0, force_copy=True)
     _assert_bitwise_equal(_grads(model, idx, targets, region), _grads(model, idx, targets))
