@@ -40,7 +40,7 @@ from lightning_haiscale.cpu_offload.pool import HostBuffer, PinnedBufferPool
 from lightning_haiscale.cpu_offload.selection import StreamingSelector, plan_offload
 from lightning_haiscale.cpu_offload.spans import rebuildable, span_pack
 from lightning_haiscale.cpu_offload.stats import CopyClock, RegionRecord
-from lightning_haiscale.cpu_offload.transfer import CudaTransfer, HostTransfer, Transfer
+from lightning_haiscale.cpu_offload.transfer import Copies, CudaCopies, HostCopies
 
 __all__ = ["CountingRun", "OffloadRun", "RunOptions", "SpanState"]
 
@@ -72,6 +72,7 @@ class OffloadedSpan:
 
     __slots__ = (
         "ahead",
+        "copies",
         "done",
         "handles",
         "host",
@@ -81,14 +82,13 @@ class OffloadedSpan:
         "source",
         "source_ptr",
         "state",
-        "transfer",
         "written",
     )
 
-    def __init__(self, seq: int, nbytes: int, transfer: Transfer, host: HostBuffer) -> None:
+    def __init__(self, seq: int, nbytes: int, copies: Copies, host: HostBuffer) -> None:
         self.seq = seq  # save order: backward needs it in reverse
         self.nbytes = nbytes
-        self.transfer = transfer
+        self.copies = copies
         self.state = SpanState.COPYING_OUT
         self.host: HostBuffer | None = host  # held until the bytes are back on the device
         self.written: torch.cuda.Event | None = None  # end of the copy out
@@ -174,7 +174,7 @@ class OffloadRun:
         self.clock = CopyClock()
         self._lock = threading.RLock()
         self._seq = 0
-        self._transfers: dict[torch.device, Transfer] = {}
+        self._copies: dict[torch.device, Copies] = {}
         self._planned = record.candidate_sizes
         self._plan = None if self._planned is None else plan_offload(
             self._planned, record.bytes_saved, options.offload_ratio
@@ -244,9 +244,9 @@ class OffloadRun:
     ) -> OffloadedSpan:
         """(new) -> COPYING_OUT or ON_HOST: starts the copy out; bounds the device bytes still waiting for theirs."""
         source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, start, (nbytes,), (1,))
-        transfer = self._transfer(t.device)
-        span = OffloadedSpan(seq, nbytes, transfer, self.options.pool.acquire(nbytes, pin=t.is_cuda))
-        span.written = transfer.to_host(source, span.host)
+        copies = self._copies_for(t.device)
+        span = OffloadedSpan(seq, nbytes, copies, self.options.pool.acquire(nbytes, pin=t.is_cuda))
+        span.written = copies.to_host(source, span.host)
         self._offloaded.append(span)
         self._cursor = len(self._offloaded) - 1
         if span.written is None:
@@ -258,11 +258,11 @@ class OffloadRun:
         self._throttle()
         return span
 
-    def _transfer(self, device: torch.device) -> Transfer:
-        if device not in self._transfers:
-            kind = CudaTransfer if device.type == "cuda" else HostTransfer
-            self._transfers[device] = kind(device, self.clock)
-        return self._transfers[device]
+    def _copies_for(self, device: torch.device) -> Copies:
+        if device not in self._copies:
+            kind = CudaCopies if device.type == "cuda" else HostCopies
+            self._copies[device] = kind(device, self.clock)
+        return self._copies[device]
 
     def _throttle(self) -> None:
         """Keeps at most ``max_inflight_bytes`` of device bytes waiting for their copy out."""
@@ -270,7 +270,7 @@ class OffloadRun:
         while self._pending_bytes > self.options.max_inflight_bytes:
             span = self._pending.popleft()
             if span.source is not None:
-                span.transfer.wait(span.written)
+                span.copies.wait(span.written)
                 self._retire(span, read=True)
 
     def _poll(self) -> None:
@@ -288,7 +288,7 @@ class OffloadRun:
         if span.source is None:
             return
         if not read and not span.written.query():
-            span.transfer.keep_until_read(span.source)
+            span.copies.keep_until_read(span.source)
         span.source = None
         self._pending_bytes -= span.nbytes
         if span.state is SpanState.COPYING_OUT:
@@ -321,7 +321,7 @@ class OffloadRun:
                 span.ahead = False
                 self._ahead_bytes -= span.nbytes
             data, done = span.restored, span.done
-        span.transfer.before_use(data, done)
+        span.copies.before_use(data, done)
         # ``data`` is the span: a fresh allocation, or a view into the original storage when reused.
         offset = (data.storage_offset() + handle.offset) // handle.dtype.itemsize
         view = torch.empty(0, dtype=handle.dtype, device=data.device)
@@ -342,7 +342,7 @@ class OffloadRun:
         if span.source is not None and _intact(span.source, span.source_ptr):
             span.restored = span.source  # the copy out is not retired: the device bytes are still here
         else:
-            span.restored, span.done = span.transfer.to_device(span.host, span.written)
+            span.restored, span.done = span.copies.to_device(span.host, span.written)
             self.options.pool.release(span.host, span.done)
             span.host = None
         span.state = SpanState.ON_DEVICE
