@@ -68,7 +68,7 @@ from lightning_haiscale.fsdp.optim_state import (
     local_optim_state,
 )
 from lightning_haiscale.fsdp.options import check_cpu_offload, check_flags, ignored
-from lightning_haiscale.fsdp.param_group import FSDPParamGroup, GradShards, ShardState
+from lightning_haiscale.fsdp.param_group import FSDPParamGroup, GradShards, ShardState, TrainingState
 from lightning_haiscale.fsdp.sharding import ShardingStrategy, resolve_strategy
 from lightning_haiscale.fsdp.state_dict import (
     gather_full_state,
@@ -209,8 +209,7 @@ class FullyShardedDataParallel(nn.Module):
         self._forward_order: list[FSDPParamGroup] | None = None
         self._backward_order: list[FSDPParamGroup] | None = None
         self._recording: list[FSDPParamGroup] = []
-        self._pre_backward_done: set[int] = set()
-        self._in_backward = False  # from the first backward hook to _finalize_backward (see [Note: recomputation])
+        self._training_state = TrainingState.IDLE  # PRE_BACKWARD from the first backward hook to _finalize_backward
         self._reducing: FSDPParamGroup | None = None  # the unit whose reduce-scatter started last
         self._unfinished: dict[int, FSDPParamGroup] = {}  # units holding gradients, their backward not done
         self._state_dict_type = StateDictType.FULL
@@ -281,8 +280,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._open()
-        self._pre_backward_done.clear()
-        self._in_backward = False
+        if self._training_state is not TrainingState.IDLE:  # the last backward never ended (an exception)
+            self._training_state = TrainingState.IDLE
+            for group in self._groups.values():
+                group.forget_backward()
         if self._root_group is not None:
             self._pre_forward(self._root_group)
         if self.mixed_precision is not None and self.mixed_precision.cast_forward_inputs:
@@ -307,7 +308,7 @@ class FullyShardedDataParallel(nn.Module):
         group.use_unsharded_views()
 
     def _unit_pre_forward(self, group: FSDPParamGroup, module: nn.Module, args: Any) -> None:
-        if self._in_backward:  # a recomputation: gather, but prefetch nothing (see [Note: recomputation])
+        if self._training_state is TrainingState.PRE_BACKWARD:  # a recomputation: prefetch nothing (see [Note: ...])
             group.unshard()
             group.wait_unshard()
             group.use_unsharded_views()
@@ -315,7 +316,7 @@ class FullyShardedDataParallel(nn.Module):
         self._pre_forward(group)
 
     def _unit_post_forward(self, group: FSDPParamGroup, module: nn.Module, args: Any, output: Any) -> None:
-        if self._in_backward and id(group) in self._pre_backward_done:
+        if group.training_state is not TrainingState.IDLE:
             return  # a recomputation inside the unit's own backward, which reads the gathered parameters next
         if self.reshard_after_forward:
             group.reshard()
@@ -329,9 +330,9 @@ class FullyShardedDataParallel(nn.Module):
     def _queue_finalize(self) -> None:
         """Runs :meth:`_finalize_backward` once the whole backward is done (queued once per backward, from
         whichever hook fires first), the way torch DDP and FSDP do."""
-        if not self._in_backward:
+        if self._training_state is TrainingState.IDLE:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-            self._in_backward = True
+            self._training_state = TrainingState.PRE_BACKWARD
 
     def _root_pre_backward(self, grad: torch.Tensor | None = None) -> None:
         self._queue_finalize()
@@ -340,9 +341,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def _pre_backward(self, group: FSDPParamGroup, grad: torch.Tensor | None = None) -> None:
         self._queue_finalize()
-        if id(group) in self._pre_backward_done:
+        if not group.begin_backward():
             return
-        self._pre_backward_done.add(id(group))
         for other in [g for g in self._unfinished.values() if g is not group]:  # in the order they got gradients
             del self._unfinished[id(other)]  # see param_group [Note: reducing a unit's gradients]
             if other.reduce_arrived():
@@ -381,9 +381,8 @@ class FullyShardedDataParallel(nn.Module):
         self._grad_shards.release()
         if self._backward_order is None:
             self._backward_order, self._recording = self._recording, []
-        self._pre_backward_done.clear()
         self._unfinished.clear()
-        self._in_backward = False
+        self._training_state = TrainingState.IDLE
         self._reducing = None
 
     # ------------------------------------------------------------------------- public API
