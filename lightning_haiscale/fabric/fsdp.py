@@ -36,7 +36,7 @@ from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout, strategy_repr
-from lightning_haiscale.strategies.checkpoint_file import save_file
+from lightning_haiscale.strategies.checkpoint_file import check_file_targets, save_file
 from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.strategies.parallel import agree_on_inf, register_once
 
@@ -206,6 +206,7 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
         if self.state_dict_type == "sharded":
             self._save_sharded(Path(self.broadcast(str(path))), model, state, storage_options)
             return
+        check_file_targets(self.broadcast, self.is_global_zero, [path])
         full = {}
         for name, value in state.items():
             if isinstance(value, FullyShardedDataParallel):
@@ -229,7 +230,8 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
             for name, value in state.items()
             if name != module and name not in optimizers
         }
-        with folder_checkpoint(folder, publisher=self.is_global_zero, barrier=self.barrier) as staging:
+        publisher, barrier, broadcast = self.is_global_zero, self.barrier, self.broadcast
+        with folder_checkpoint(folder, publisher=publisher, barrier=barrier, broadcast=broadcast) as staging:
             save_dcp(staging, model.sharded_state_dict(), shards, model.process_group)
             if self.is_global_zero:
                 names = {"module": module, "optimizers": optimizers}

@@ -9,6 +9,7 @@ and published by one rename (see [Note: atomic publication] in ``checkpoint_file
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import fsspec
@@ -16,16 +17,32 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
-from lightning_haiscale.checkpoint_files import file_checkpoint
+from lightning_haiscale.checkpoint_files import file_checkpoint, file_target_error
 
-__all__ = ["save_file"]
+__all__ = ["check_file_targets", "save_file"]
+
+
+def check_file_targets(broadcast: Callable[[Any], Any], is_global_zero: bool, paths: Iterable[Any]) -> None:
+    """Collective: raises on every rank when rank 0 finds one of ``paths`` (local files a save is about to write) to
+    be a directory that is not our checkpoint (see ``checkpoint_files`` [Note: only our own files]); before any
+    rank writes, so that none waits for a rank that raised."""
+    error = None
+    if is_global_zero:
+        local = (fsspec.core.url_to_fs(str(p)) for p in paths)
+        error = next((e for fs, p in local if isinstance(fs, LocalFileSystem) and (e := file_target_error(p))), None)
+    error = broadcast(error)
+    if error is not None:
+        raise error
 
 
 def save_file(io: CheckpointIO, checkpoint: dict[str, Any], path: Any, storage_options: Any | None) -> None:
     """Writes ``checkpoint`` to ``path``: with Lightning's default ``TorchCheckpointIO`` and a local path,
     ``torch.save`` to a staging sibling, then one rename. Another ``CheckpointIO`` (the user's own, an
-    asynchronous one), ``storage_options`` or a remote path: ``io`` writes it as it does."""
+    asynchronous one), ``storage_options`` or a remote path: ``io`` writes it as it does. A local directory
+    that is not our checkpoint is never replaced: ``IsADirectoryError``."""
     filesystem, local = fsspec.core.url_to_fs(str(path))
+    if isinstance(filesystem, LocalFileSystem) and (error := file_target_error(local)) is not None:
+        raise error
     if type(io) is not TorchCheckpointIO or storage_options is not None or not isinstance(filesystem, LocalFileSystem):
         io.save_checkpoint(checkpoint, path, storage_options=storage_options)
         return

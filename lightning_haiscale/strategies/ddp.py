@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.hfreduce import Communicator, abort_job
 from lightning_haiscale.strategies.arguments import check_bool, check_choice, check_number, check_timeout, strategy_repr
-from lightning_haiscale.strategies.checkpoint_file import save_file
+from lightning_haiscale.strategies.checkpoint_file import check_file_targets, save_file
 from lightning_haiscale.strategies.parallel import init_dist_connection, register_once
 
 __all__ = ["HaiDDPStrategy", "hai_ddp_options", "wrap_hai_ddp"]
@@ -157,7 +157,9 @@ class HaiDDPStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Rank 0 writes one file that a kill leaves as the previous or the new one (see ``checkpoint_file``)."""
+        """Rank 0 writes one file that a kill leaves as the previous or the new one (see ``checkpoint_file``); a
+        directory at ``filepath`` raises on every rank, as Lightning's ``FSDPStrategy``."""
+        check_file_targets(self.broadcast, self.is_global_zero, [filepath])
         if self.is_global_zero:
             save_file(self.checkpoint_io, checkpoint, filepath, storage_options)
 

@@ -225,7 +225,8 @@ class HaiFSDPStrategy(HaiParallelStrategy):
             return
         path = Path(self.broadcast(str(filepath)))
         model_shard, optim_shards = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
-        with folder_checkpoint(path, publisher=self.is_global_zero, barrier=self.barrier) as staging:
+        publisher, barrier, broadcast = self.is_global_zero, self.barrier, self.broadcast
+        with folder_checkpoint(path, publisher=publisher, barrier=barrier, broadcast=broadcast) as staging:
             save_dcp(staging, model_shard, optim_shards, self._wrapper().process_group)  # creates the folder
             if self.is_global_zero:
                 save_file(self.checkpoint_io, checkpoint, staging / _META_FILE, storage_options)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
-from lightning_haiscale.strategies.checkpoint_file import save_file
+from lightning_haiscale.strategies.checkpoint_file import check_file_targets, save_file
 
 __all__ = [
     "PipelineCheckpoints",
@@ -48,6 +48,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_SAVE_ID_BYTES = 8
+_SAVE_ID_GLOB = "[0-9a-f]" * 2 * _SAVE_ID_BYTES  # only the names this module writes (see stage_files_of)
+
 
 def stage_path(filepath: str | os.PathLike, stage: int, save_id: str | None = None) -> str:
     """The stage file of pipeline stage ``stage`` beside the full checkpoint ``filepath``; with ``save_id``,
@@ -58,16 +61,15 @@ def stage_path(filepath: str | os.PathLike, stage: int, save_id: str | None = No
 
 def stage_files_of(filepath: str | os.PathLike, stage: int) -> list[str]:
     """Every stage file of ``stage`` beside ``filepath``: the committed one, any of unfinished saves, and the
-    staging file of a save killed while writing one (``save_file``'s hidden sibling)."""
+    staging file of a save killed while writing one (``save_file``'s hidden sibling). Only names this module
+    writes (a save id is 16 hex digits): a user's ``<file>.stage0.txt`` is not one of them."""
     final = stage_path(filepath, stage)
     folder, name = os.path.split(final)
-    killed_writes = glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.*.partial"))
-    return [final] * os.path.exists(final) + glob.glob(f"{glob.escape(final)}.*") + killed_writes
+    killed_writes = glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.{_SAVE_ID_GLOB}.partial"))
+    return [final] * os.path.isfile(final) + glob.glob(f"{glob.escape(final)}.{_SAVE_ID_GLOB}") + killed_writes
 
 
-def full_checkpoint(
-    checkpoint: Mapping[str, Any], stages: int, num_model_chunks: int, save_id: str
-) -> dict[str, Any]:
+def full_checkpoint(checkpoint: Mapping[str, Any], stages: int, num_model_chunks: int, save_id: str) -> dict[str, Any]:
     """What rank 0 writes: the checkpoint without optimizer states (they are per stage), with the layout."""
     full = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
     full["pipeline"] = {"stages": stages, "num_model_chunks": num_model_chunks, "save_id": save_id}
@@ -182,8 +184,11 @@ class PipelineCheckpoints:
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
-        """See [Note: stage files] and [Note: one save, many files]."""
-        save_id = self.broadcast(secrets.token_hex(8))
+        """See [Note: stage files] and [Note: one save, many files]. A directory at the full file's or a stage
+        file's path raises on every rank before anything is written."""
+        stage_files = (stage_path(filepath, k) for k in range(self.stages_per_pipeline))
+        check_file_targets(self.broadcast, self.is_global_zero, [filepath, *stage_files])
+        save_id = self.broadcast(secrets.token_hex(_SAVE_ID_BYTES))
         if self.dp_rank == 0:
             names = optimizer_param_names(self.lightning_module, self.optimizers)
             stage = stage_checkpoint(self._proxy.state_dict(), self.module_name, checkpoint, names, save_id)
