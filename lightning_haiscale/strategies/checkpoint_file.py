@@ -9,7 +9,7 @@ and published by one rename (see [Note: atomic publication] in ``checkpoint_file
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import fsspec
@@ -19,7 +19,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
 from lightning_haiscale.checkpoint_files import file_checkpoint, file_target_error
 
-__all__ = ["check_file_targets", "save_file"]
+__all__ = ["check_file_targets", "check_optimizer_count", "optimizer_states_of", "save_file"]
 
 
 def check_file_targets(broadcast: Callable[[Any], Any], is_global_zero: bool, paths: Iterable[Any]) -> None:
@@ -33,6 +33,36 @@ def check_file_targets(broadcast: Callable[[Any], Any], is_global_zero: bool, pa
     error = broadcast(error)
     if error is not None:
         raise error
+
+
+def check_optimizer_count(configured: int, saved: int) -> None:
+    """Lightning's check before restoring optimizers (its ``FSDPStrategy``'s message): one state per optimizer."""
+    if configured != saved:
+        raise RuntimeError(
+            f"You have configured {configured} optimizers but the checkpoint contains {saved} optimizers to load. "
+            "Please resume training with the same number of optimizers or edit the checkpoint manually to remove "
+            "states."
+        )
+
+
+def optimizer_states_of(checkpoint: Mapping[str, Any], path: Any, configured: int) -> list[Any]:
+    """The checkpoint's optimizer states, one per configured optimizer; raises, naming ``path`` and the fix, where
+    a resume would otherwise continue from fresh optimizer states."""
+    states = checkpoint.get("optimizer_states")
+    if states is None and "pipeline" in checkpoint:
+        raise RuntimeError(
+            f"{path} was saved by a pipeline strategy of lightning-haiscale 0.x, whose full file holds no optimizer "
+            "states (they are in its .stage<k> files beside it): resume it once under the pipeline strategy and "
+            "layout that saved it and save again (the full file then holds every stage's states), or load the "
+            "weights alone (model.load_state_dict(torch.load(path)['state_dict']), fit without ckpt_path)"
+        )
+    if states is None:
+        raise KeyError(
+            "Trying to restore optimizer state but checkpoint contains only the model. This is probably due to "
+            f"`ModelCheckpoint.save_weights_only` being set to `True`. ({path})"
+        )
+    check_optimizer_count(configured, len(states))
+    return list(states)
 
 
 def save_file(io: CheckpointIO, checkpoint: dict[str, Any], path: Any, storage_options: Any | None) -> None:

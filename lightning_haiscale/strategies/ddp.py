@@ -11,6 +11,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
@@ -18,7 +19,7 @@ from typing_extensions import override
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.hfreduce import Communicator, abort_job
 from lightning_haiscale.strategies.arguments import check_bool, check_choice, check_number, check_timeout, strategy_repr
-from lightning_haiscale.strategies.checkpoint_file import check_file_targets, save_file
+from lightning_haiscale.strategies.checkpoint_file import check_file_targets, optimizer_states_of, save_file
 from lightning_haiscale.strategies.parallel import init_dist_connection, register_once
 
 __all__ = ["HaiDDPStrategy", "hai_ddp_options", "wrap_hai_ddp"]
@@ -105,6 +106,16 @@ class HaiDDPStrategy(DDPStrategy):
         Lightning's ``ddp`` loads them, a ``"64-true"`` checkpoint went through the float32 module first and
         resumed rounded (about 1e-8 off)."""
         return True
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's, with the checks of its FSDP when fitting (its ``ddp`` zips the states with the optimizers,
+        dropping extra ones silently): one state per optimizer, and a pipeline file of 0.x names its fix."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and ("optimizer_states" in checkpoint or "pipeline" in checkpoint):
+            optimizer_states_of(checkpoint, checkpoint_path, len(self.optimizers))
+        return checkpoint
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
