@@ -285,11 +285,11 @@ class PipelineCheckpoints:
         loaded = self._loaded
         if loaded is None:
             raise RuntimeError("load_optimizer_state_dict runs after load_checkpoint")
-        if self._saved_layers is not None and self._saved_layers == sorted(self._proxy.state_dict()):
-            states = list(checkpoint["optimizer_states"])
-        else:
-            states = self._states_by_name(loaded)
-        check_optimizer_count(len(self.optimizers), len(states))
+        same_layout = self._saved_layers is not None and self._saved_layers == sorted(self._proxy.state_dict())
+        saved = checkpoint["optimizer_states"] if same_layout else loaded.whole
+        if saved is not None:
+            check_optimizer_count(len(self.optimizers), len(saved))
+        states = list(checkpoint["optimizer_states"]) if same_layout else self._states_by_name(loaded)
         for optimizer, state in zip(self.optimizers, states, strict=True):
             optimizer.load_state_dict(state)
         self._optimizer_states_to_device()

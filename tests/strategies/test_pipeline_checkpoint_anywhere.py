@@ -113,6 +113,25 @@ def _earlier_versions(tmp_path: Path, saved: dict[str, Any]) -> None:
     for strategy in (HaiFSDPStrategy(), "hai_ddp"):
         with pytest.raises(RuntimeError, match=f"{old}.*no optimizer states.*resume it once under the pipeline"):
             _fit(strategy, 2, tmp_path, ckpt_path=old)
+    _lightnings_checks(tmp_path, saved)
+
+
+def _lightnings_checks(tmp_path: Path, saved: dict[str, Any]) -> None:
+    """Lightning FSDP's checks on load (``tests_pytorch/strategies/test_fsdp.py``): a checkpoint with 2 optimizer
+    states for 1 optimizer raises its message (was: the second silently dropped), and one without optimizer states
+    raises the connector's ``KeyError`` under hai_fsdp too (was: a resume from fresh momentum)."""
+    two, weights = tmp_path / "two.ckpt", tmp_path / "weights.ckpt"
+    plain = {k: v for k, v in saved.items() if k not in ("optimizer_states", "pipeline")}
+    if dist.get_rank() == 0:
+        torch.save({**plain, "optimizer_states": saved["optimizer_states"] * 2}, two)
+        torch.save(plain, weights)
+    dist.barrier()
+    for strategy in (HaiFSDPStrategy(), "hai_ddp", PipeDreamStrategy(chunks=2)):
+        replicas = 1 if isinstance(strategy, PipeDreamStrategy) else 2
+        with pytest.raises(RuntimeError, match="configured 1 optimizers but the checkpoint contains 2 optimizers"):
+            _fit(strategy, replicas, tmp_path, ckpt_path=two)
+    with pytest.raises(KeyError, match="contains only the model"):
+        _fit(HaiFSDPStrategy(), 2, tmp_path, ckpt_path=weights)
 
 
 def _one_device(rank: int, world: int, tmp: str) -> None:
