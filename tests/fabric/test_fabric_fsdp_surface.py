@@ -5,8 +5,9 @@ Was: ``fabric.load_raw(path, model)`` raised ``ValueError: hai_fsdp loads into a
 ``fabric.save(..., filter=...)`` raised. Lightning's ``tests_fabric/strategies/test_fsdp_integration.py`` expects a
 full file with the state's keys and index-keyed optimizer states, a filtered save to keep only what the filter
 accepts, a sharded save with a filter to raise, a strict load of a missing key to raise ``KeyError``, and
-``load_raw`` to take a raw state dict. Values are compared exactly with the model that saved them (the same float32
-tensors gathered and scattered: no arithmetic).
+``load_raw`` to take a raw state dict. A folder Fabric's hai_fsdp wrote in 0.2 still loads, with its momentum.
+Values are compared exactly with the model that saved them (the same float32 tensors gathered and scattered: no
+arithmetic).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.fabric import Fabric
 from torch.distributed.checkpoint import FileSystemReader
 
 import lightning_haiscale  # noqa: F401  (registers the Fabric names)
 from lightning_haiscale.fabric import HaiFSDPStrategy
+from lightning_haiscale.fsdp.dcp import _optim_pieces, _pieces_of, _SavePlanner
 from lightning_haiscale.testing.parity import BATCH, Classifier, data
 from tests.distributed import run_distributed
 
@@ -85,6 +88,28 @@ def _surface(rank: int, world: int, tmp: str) -> None:
     if rank == 0:
         _equal(bare.state_dict(), whole)
         assert torch.load(folder / "meta.pt", weights_only=True) == {"step": 3}
+    _save_as_0_2(fabric, tmp_path / "old", model, optimizer)
+    momentum = [v["momentum_buffer"].clone() for v in optimizer.state.values()]
+    fabric, model, optimizer = _setup("sharded")  # another step taken: different weights and momentum
+    assert fabric.load(tmp_path / "old", {"model": model, "optimizer": optimizer}) == {"step": 3}
+    assert all(torch.equal(a, v["momentum_buffer"]) for a, v in zip(momentum, optimizer.state.values(), strict=True))
+    again = _full(model)
+    if rank == 0:
+        _equal(again, whole)
+
+
+def _save_as_0_2(fabric: Fabric, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The folder Fabric's hai_fsdp of lightning-haiscale 0.2 wrote (its layout: ``state_dict``, a list
+    ``optimizer_states`` with ``param_groups`` as one object, and which names they were in ``meta.pt``)."""
+    wrapper = model._forward_module
+    shard, optim = wrapper.sharded_state_dict(), wrapper.sharded_optim_state_dict(optimizer)
+    pieces = {**_pieces_of(shard, aliases=True), **shard["buffers"]}
+    old_optimizer = {**_optim_pieces(optim), "param_groups": tuple(optim["param_groups"])}
+    dcp.save({"state_dict": pieces, "optimizer_states": [old_optimizer]}, checkpoint_id=path, planner=_SavePlanner())
+    if fabric.global_rank == 0:
+        names = {"module": "model", "optimizers": ["optimizer"]}
+        torch.save({"step": 3, "hai_fsdp_names": names}, path / "meta.pt")
+    dist.barrier()
 
 
 def test_fabric_save_load_and_load_raw(tmp_path: Path) -> None:
