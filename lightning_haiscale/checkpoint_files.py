@@ -13,6 +13,13 @@ final name, which a kill can cut short.) Staging leftovers of a killed save are 
 atomic against killed processes, not against a power cut (nothing is fsynced), and a folder save needs room for
 two copies while it runs.
 
+[Note: only our own files] A checkpoint path may already hold something the user made. A save never removes
+what this package did not write: a file save onto a directory raises ``IsADirectoryError`` (as Lightning's
+``FSDPStrategy`` does) unless the directory is one of our folder checkpoints and nothing else; a folder save
+into a directory holding anything a folder checkpoint does not write (see :func:`foreign_entries`) raises
+``FileExistsError`` naming those entries. Both are checked by rank 0 before anything is written, and every rank
+raises the same error (:func:`folder_checkpoint` broadcasts it).
+
 Where ``RENAME_EXCHANGE`` is refused (an old kernel, some network filesystems), a folder over an existing
 one takes two renames: the old save moves to ``.<name>.previous`` first, and a kill between the two leaves
 the checkpoint there, and the final name absent, until someone moves it back.
@@ -22,13 +29,28 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fnmatch
 import os
 import shutil
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-__all__ = ["clear_staging", "file_checkpoint", "folder_checkpoint", "publish_folder", "staging_folder"]
+__all__ = [
+    "clear_staging",
+    "file_checkpoint",
+    "file_target_error",
+    "folder_checkpoint",
+    "folder_target_error",
+    "foreign_entries",
+    "publish_folder",
+    "staging_folder",
+]
+
+OWN_ENTRIES = (".metadata", "meta.pt", "*.distcp", "rank_*.pt")
+"""What a folder checkpoint of this package holds: DCP's metadata and shards, ``meta.pt``, and the ``rank_<r>.pt``
+files of lightning-haiscale 0.1."""
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -43,6 +65,43 @@ def staging_folder(final: str | os.PathLike) -> Path:
 
 def _previous(final: Path) -> Path:
     return final.with_name(f".{final.name}.previous")
+
+
+def foreign_entries(folder: str | os.PathLike) -> list[str]:
+    """The entries of ``folder`` (sorted) that no folder checkpoint of this package writes (see
+    [Note: only our own files])."""
+    return sorted(e.name for e in os.scandir(folder) if not any(fnmatch.fnmatch(e.name, p) for p in OWN_ENTRIES))
+
+
+def _is_own_checkpoint(folder: Path) -> bool:
+    marked = (folder / ".metadata").is_file() or (folder / "meta.pt").is_file()
+    return marked and not foreign_entries(folder)
+
+
+def file_target_error(final: str | os.PathLike) -> OSError | None:
+    """Why a file checkpoint must not be written at ``final``: it is a directory that is not one of our folder
+    checkpoints (a file save replaces those, as Lightning's ``FSDPStrategy`` does); ``None`` when it may."""
+    final = Path(final)
+    if not final.is_dir() or _is_own_checkpoint(final):
+        return None
+    return IsADirectoryError(
+        f"The checkpoint path exists and is a directory: {final}. It is not a checkpoint folder of this package, so "
+        "nothing in it is touched: save the file under another name, or move the directory away"
+    )
+
+
+def folder_target_error(final: str | os.PathLike) -> OSError | None:
+    """Why a folder checkpoint must not be published at ``final``: it is a directory holding entries that a folder
+    checkpoint does not write; ``None`` when it may (absent, a file, empty, or one of our checkpoints)."""
+    final = Path(final)
+    foreign = foreign_entries(final) if final.is_dir() else []
+    if not foreign:
+        return None
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    return FileExistsError(
+        f"The checkpoint folder {final} holds entries that a sharded checkpoint does not write ({shown}); a save "
+        "replaces the whole folder, so it refuses: save to another path, or move those entries out"
+    )
 
 
 def clear_staging(final: str | os.PathLike) -> None:
@@ -71,10 +130,19 @@ def publish_folder(final: str | os.PathLike) -> None:
 
 @contextmanager
 def folder_checkpoint(
-    final: str | os.PathLike, *, publisher: bool, barrier: Callable[[], None]
+    final: str | os.PathLike,
+    *,
+    publisher: bool,
+    barrier: Callable[[], None],
+    broadcast: Callable[[Any], Any] = lambda obj: obj,
 ) -> Generator[Path, None, None]:
     """Collective: every rank writes its part of the folder checkpoint ``final`` into the yielded staging
-    folder; when all are done, ``publisher`` (one rank) publishes it (see [Note: atomic publication])."""
+    folder; when all are done, ``publisher`` (one rank, the source of ``broadcast``) publishes it (see
+    [Note: atomic publication]). Raises on every rank, before anything is written, when ``final`` holds what a
+    folder checkpoint does not write (see [Note: only our own files])."""
+    error = broadcast(folder_target_error(final) if publisher else None)
+    if error is not None:
+        raise error
     if publisher:
         clear_staging(final)
     barrier()
@@ -88,7 +156,11 @@ def folder_checkpoint(
 @contextmanager
 def file_checkpoint(final: str | os.PathLike) -> Generator[Path, None, None]:
     """One process writes the file checkpoint ``final`` at the yielded staging path; when the block ends without
-    an error, it is published (see [Note: atomic publication]). The parent folder is created."""
+    an error, it is published (see [Note: atomic publication]). The parent folder is created. Raises
+    ``IsADirectoryError`` when ``final`` is a directory that is not one of our checkpoints."""
+    error = file_target_error(final)
+    if error is not None:
+        raise error
     Path(final).parent.mkdir(parents=True, exist_ok=True)
     clear_staging(final)
     yield staging_folder(final)

@@ -17,7 +17,7 @@ from typing_extensions import override
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.fabric.shared import NoSyncControl, Wrapped, setup_distributed
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout, strategy_repr
-from lightning_haiscale.strategies.checkpoint_file import save_file
+from lightning_haiscale.strategies.checkpoint_file import check_file_targets, save_file
 from lightning_haiscale.strategies.ddp import hai_ddp_options, wrap_hai_ddp
 from lightning_haiscale.strategies.parallel import register_once
 
@@ -91,6 +91,7 @@ class HaiDDPStrategy(DDPStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """One file, written by rank 0 so that a kill leaves the previous file or the new one (see ``save_file``)."""
+        check_file_targets(self.broadcast, self.is_global_zero, [path])
         checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
         if self.is_global_zero:
             save_file(self.checkpoint_io, checkpoint, path, storage_options)

@@ -1,12 +1,5 @@
-"""Fabric's ``"hai_fsdp"``: sharded data parallel on the hfreduce engine, for Lightning Fabric.
-
-[Note: Fabric checkpoints] ``fabric.save(path, state)`` with ``state_dict_type="full"`` writes one file on
-rank 0: the module's full state dict (bare-module keys) and each optimizer's state keyed by parameter name,
-as the Trainer strategy writes them. ``"sharded"``: a ``torch.distributed.checkpoint`` folder as the Trainer
-strategy writes (see ``fsdp.dcp``) and ``meta.pt`` (everything else, and which names were the module and the
-optimizers); it loads on any number of ranks. Both are published atomically: a rank killed at any moment of
-the save leaves ``path`` as the previous save or the new one (see ``checkpoint_files.py``). ``fabric.load``
-reads either form, and full optimizer states saved by ddp or one device (keyed by position).
+"""Fabric's ``"hai_fsdp"``: sharded data parallel on the hfreduce engine, for Lightning Fabric (checkpoints: see
+``fabric.fsdp_checkpoint``).
 """
 
 from __future__ import annotations
@@ -14,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -29,21 +21,16 @@ from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_haiscale.checkpoint_files import folder_checkpoint
+from lightning_haiscale.fabric import fsdp_checkpoint
 from lightning_haiscale.fabric.shared import NoSyncControl, Sharded, Wrapped, setup_distributed
 from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
-from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
 from lightning_haiscale.strategies.arguments import check_choice, check_timeout, strategy_repr
-from lightning_haiscale.strategies.checkpoint_file import save_file
 from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.strategies.parallel import agree_on_inf, register_once
 
 __all__ = ["HaiFSDPStrategy"]
-
-_META_FILE = "meta.pt"
-_NAMES = "hai_fsdp_names"  # in meta.pt: which entries of the state were the module and the optimizers
 
 
 class HaiFSDPStrategy(DDPStrategy, Sharded):
@@ -116,10 +103,16 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
             timeout=check_timeout(timeout) or default_pg_timeout,
         )
         self.state_dict_type = check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
-        self.sharding_strategy = options.sharding_strategy
+        self.sharding_strategy, self.cpu_offload = options.torch_attributes()  # torch's, as Lightning's
         self._fsdp_options = options
         self._backward_sync_control = NoSyncControl(FullyShardedDataParallel, "hai_fsdp")
         self._wrapped = Wrapped()
+
+    @property
+    def mixed_precision_config(self) -> TorchMixedPrecision | None:
+        """The mixed precision the wrapper runs, as torch's ``MixedPrecision`` (as Lightning's FSDP exposes it);
+        ``None``: the parameters' own dtype."""
+        return self._fsdp_options.torch_mixed_precision(self.precision.precision)
 
     def __repr__(self) -> str:
         return strategy_repr(self, "lightning_haiscale.HaiFSDPStrategy (lightning_haiscale.strategies)")
@@ -199,74 +192,16 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """See [Note: Fabric checkpoints]."""
-        if filter:
-            raise ValueError("hai_fsdp does not support fabric.save(..., filter=...)")
-        model = _the_module(state)
-        if self.state_dict_type == "sharded":
-            self._save_sharded(Path(self.broadcast(str(path))), model, state, storage_options)
-            return
-        full = {}
-        for name, value in state.items():
-            if isinstance(value, FullyShardedDataParallel):
-                full[name] = value.full_state_dict()
-            elif isinstance(value, Optimizer):
-                full[name] = model.full_optim_state_dict(value)
-            else:
-                full[name] = value.state_dict() if hasattr(value, "state_dict") else value
-        if self.is_global_zero:
-            save_file(self.checkpoint_io, full, path, storage_options)
-        self.barrier()
-
-    def _save_sharded(
-        self, folder: Path, model: FullyShardedDataParallel, state: dict[str, Any], storage_options: Any
-    ) -> None:
-        optimizers = [name for name, value in state.items() if isinstance(value, Optimizer)]
-        module = next(name for name, value in state.items() if value is model)
-        shards = [model.sharded_optim_state_dict(state[name]) for name in optimizers]
-        rest = {
-            name: value.state_dict() if hasattr(value, "state_dict") else value
-            for name, value in state.items()
-            if name != module and name not in optimizers
-        }
-        with folder_checkpoint(folder, publisher=self.is_global_zero, barrier=self.barrier) as staging:
-            save_dcp(staging, model.sharded_state_dict(), shards, model.process_group)
-            if self.is_global_zero:
-                names = {"module": module, "optimizers": optimizers}
-                save_file(self.checkpoint_io, {**rest, _NAMES: names}, staging / _META_FILE, storage_options)
+        """See ``fabric.fsdp_checkpoint`` [Note: Fabric checkpoints]."""
+        fsdp_checkpoint.save(self, path, state, storage_options, filter)
 
     @override
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Loads into the modules and optimizers of ``state`` in place; returns what they did not take."""
-        path = Path(path)
-        if not isinstance(state, dict) or not state:
-            raise ValueError("hai_fsdp loads into a dict of objects: fabric.load(path, {'model': model, ...})")
-        model = _the_module(state)
-        if is_dcp_folder(path):
-            checkpoint = dict(self.checkpoint_io.load_checkpoint(path / _META_FILE, weights_only=weights_only))
-            names = checkpoint.pop(_NAMES)
-            model_shard, optim_shards = load_dcp(path, model, len(names["optimizers"]), strict=strict)
-            model.load_sharded_state_dict([model_shard], strict=strict)
-            for name, shard in zip(names["optimizers"], optim_shards, strict=True):
-                if isinstance(state.get(name), Optimizer):
-                    model.load_sharded_optim_state_dict(state[name], [shard])
-        else:
-            checkpoint = dict(self.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
-            for name, value in state.items():
-                if isinstance(value, FullyShardedDataParallel):
-                    value.load_full_state_dict(checkpoint.pop(name), strict=strict)
-                elif isinstance(value, Optimizer):
-                    model.load_full_optim_state_dict(value, checkpoint.pop(name))
-        for name, value in state.items():
-            if isinstance(value, FullyShardedDataParallel | Optimizer) or name not in checkpoint:
-                continue
-            if hasattr(value, "load_state_dict"):
-                value.load_state_dict(checkpoint.pop(name))
-            else:
-                state[name] = checkpoint.pop(name)
-        return checkpoint
+        """Into the module and optimizers of ``state`` in place (a module alone: ``fabric.load_raw``); returns what
+        they did not take."""
+        return fsdp_checkpoint.load(self, path, state, strict, weights_only)
 
     @override
     def teardown(self) -> None:
@@ -284,14 +219,6 @@ def _sharded(module: nn.Module) -> FullyShardedDataParallel:
     if not isinstance(module, FullyShardedDataParallel):
         raise TypeError(f"hai_fsdp needs the module returned by fabric.setup, got {type(module).__name__}")
     return module
-
-
-def _the_module(state: dict[str, Any]) -> FullyShardedDataParallel:
-    """The one sharded module of a checkpoint's state: its optimizers' states are keyed by its names."""
-    modules = [v for v in state.values() if isinstance(v, FullyShardedDataParallel)]
-    if len(modules) != 1:
-        raise ValueError(f"hai_fsdp checkpoints hold one module set up by fabric.setup; the state has {len(modules)}")
-    return modules[0]
 
 
 register_once(HaiFSDPStrategy, STRATEGY_REGISTRY)

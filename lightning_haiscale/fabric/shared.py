@@ -3,7 +3,8 @@ the wrappers a strategy made, which its teardown closes, and the process group's
 torchrun's restarts.
 
 The private Fabric names they build on (``_BackwardSyncControl``, ``_Sharded``: interfaces every Fabric strategy
-implements) are imported in this one module, so a Lightning upgrade touches one place, as
+implements; ``_apply_filter`` and ``_validate_keys_for_strict_loading``: how every Fabric strategy saves with a
+filter and loads strictly) are imported in this one module, so a Lightning upgrade touches one place, as
 ``strategies/parallel.py`` does for the Trainer strategies.
 """
 
@@ -13,15 +14,22 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+from lightning.fabric.strategies.strategy import (
+    _apply_filter,
+    _BackwardSyncControl,
+    _Sharded,
+    _validate_keys_for_strict_loading,
+)
 from torch import nn
 from typing_extensions import override
 
 from lightning_haiscale.strategies.parallel import init_dist_connection
 
-__all__ = ["NoSyncControl", "Sharded", "Wrapped", "setup_distributed"]
+__all__ = ["NoSyncControl", "Sharded", "Wrapped", "apply_filter", "check_strict_keys", "setup_distributed"]
 
 Sharded = _Sharded  # Fabric's interface of a strategy that shards parameters at creation
+apply_filter = _apply_filter  # fabric.save(filter=): the entries of a state a function accepts, as Fabric keeps them
+check_strict_keys = _validate_keys_for_strict_loading  # strict=True: Fabric's KeyError for a requested key missing
 
 
 class NoSyncControl(_BackwardSyncControl):

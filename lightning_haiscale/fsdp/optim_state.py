@@ -37,6 +37,7 @@ from lightning_haiscale.hfreduce import Communicator
 __all__ = [
     "full_optim_state_dict",
     "gather_full_optim_state",
+    "index_keyed",
     "load_full_optim_state",
     "load_full_optim_state_dict",
     "load_local_optim_states",
@@ -182,6 +183,23 @@ def _by_name(
     return {
         "state": {names[index]: values for index, values in full["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in full["param_groups"]],
+    }
+
+
+def index_keyed(full: Mapping[str, Any]) -> dict[str, Any]:
+    """A full optimizer state keyed by parameter name in torch's own layout: the parameters numbered in the
+    order of ``param_groups``, group after group, as ``optimizer.state_dict()`` keys them under ddp or one device
+    (Lightning's FSDP re-keys its full checkpoints to positions too), so any plain optimizer loads it. ``{}`` (what
+    other ranks than 0 gather) stays ``{}``; a state already keyed by position is returned as it is."""
+    if not full or not any(isinstance(p, str) for g in full["param_groups"] for p in g["params"]):
+        return dict(full)
+    index: dict[str, int] = {}
+    for group in full["param_groups"]:
+        for name in group["params"]:
+            index.setdefault(name, len(index))
+    return {
+        "state": {index[name]: values for name, values in full["state"].items()},
+        "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in full["param_groups"]],
     }
 
 

@@ -11,6 +11,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
@@ -18,7 +19,7 @@ from typing_extensions import override
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.hfreduce import Communicator, abort_job
 from lightning_haiscale.strategies.arguments import check_bool, check_choice, check_number, check_timeout, strategy_repr
-from lightning_haiscale.strategies.checkpoint_file import save_file
+from lightning_haiscale.strategies.checkpoint_file import check_file_targets, optimizer_states_of, save_file
 from lightning_haiscale.strategies.parallel import init_dist_connection, register_once
 
 __all__ = ["HaiDDPStrategy", "hai_ddp_options", "wrap_hai_ddp"]
@@ -107,6 +108,16 @@ class HaiDDPStrategy(DDPStrategy):
         return True
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's, with the checks of its FSDP when fitting (its ``ddp`` zips the states with the optimizers,
+        dropping extra ones silently): one state per optimizer, and a pipeline file of 0.x names its fix."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and ("optimizer_states" in checkpoint or "pipeline" in checkpoint):
+            optimizer_states_of(checkpoint, checkpoint_path, len(self.optimizers))
+        return checkpoint
+
+    @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         return wrap_hai_ddp(model, self.determine_ddp_device_ids(), self._timeout, self._hai_kwargs)
 
@@ -157,7 +168,9 @@ class HaiDDPStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Rank 0 writes one file that a kill leaves as the previous or the new one (see ``checkpoint_file``)."""
+        """Rank 0 writes one file that a kill leaves as the previous or the new one (see ``checkpoint_file``); a
+        directory at ``filepath`` raises on every rank, as Lightning's ``FSDPStrategy``."""
+        check_file_targets(self.broadcast, self.is_global_zero, [filepath])
         if self.is_global_zero:
             save_file(self.checkpoint_io, checkpoint, filepath, storage_options)
 

@@ -2,15 +2,18 @@
 
 [Note: checkpoints]
 ``state_dict_type="full"``: one file written by rank 0, Lightning's usual layout, whose ``state_dict`` loads
-with plain ``torch.load`` into the bare LightningModule; optimizer states are keyed by parameter name.
-Every rank memory-maps it to load, so the ranks share one copy in the page cache and each reads only
-its pieces. ``"sharded"``: a ``torch.distributed.checkpoint`` folder, as Lightning's FSDP and ModelParallel
-strategies write: every parameter and optimizer state in its own shape (see ``fsdp.dcp`` [Note: flat pieces
-as DCP chunks]) under ``state_dict`` and ``optimizer_states``, and ``meta.pt`` (everything else, written by
-rank 0 through ``checkpoint_io``). It resumes on any number of ranks, and torch's ``dcp_to_torch_save``
-turns it into one file (with ``meta.pt``'s entries, a full checkpoint; tied parameters appear once).
-Folders of ``rank_<r>.pt`` files (lightning-haiscale 0.1) still load. Tensors already on the CPU are
-never copied a second time to "offload" them.
+with plain ``torch.load`` into the bare LightningModule; optimizer states are in torch's index-keyed layout
+(``optimizer.state_dict()``'s, as Lightning's FSDP re-keys them), so ``ddp``, one device or a pipeline resumes
+it. Every rank memory-maps it to load, so the ranks share one copy in the page cache and each reads only
+its pieces. ``"sharded"``: a ``torch.distributed.checkpoint`` folder in the layout of Lightning's
+``FSDPStrategy``: every parameter and optimizer state in its own shape (see ``fsdp.dcp`` [Note: flat pieces
+as DCP chunks]) under ``model`` and ``optimizer_<i>``, and ``meta.pt`` (everything else, written by rank 0
+through ``checkpoint_io``). It resumes on any number of ranks and under Lightning's ``FSDPStrategy`` (and a
+folder of theirs under ours), and ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` turns it
+into one full checkpoint file (tied parameters appear once). Files and folders of earlier versions still load
+(name-keyed optimizer states; ``state_dict``/``optimizer_states`` folders; 0.1's ``rank_<r>.pt`` files).
+Loading checks what Lightning's FSDP checks: one optimizer state per optimizer. Tensors already on the CPU
+are never copied a second time to "offload" them.
 """
 
 from __future__ import annotations
@@ -38,10 +41,11 @@ from typing_extensions import override
 from lightning_haiscale.checkpoint_files import folder_checkpoint
 from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
-from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, save_dcp
+from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, optimizer_keys, save_dcp
+from lightning_haiscale.fsdp.optim_state import index_keyed
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
 from lightning_haiscale.strategies.arguments import check_choice, strategy_repr
-from lightning_haiscale.strategies.checkpoint_file import save_file
+from lightning_haiscale.strategies.checkpoint_file import optimizer_states_of, save_file
 from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
 
@@ -148,8 +152,14 @@ class HaiFSDPStrategy(HaiParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.state_dict_type = state_dict_type
-        self.sharding_strategy = options.sharding_strategy
+        self.sharding_strategy, self.cpu_offload = options.torch_attributes()  # torch's, as Lightning's
         self._fsdp_options = options
+
+    @property
+    def mixed_precision_config(self) -> TorchMixedPrecision | None:
+        """The mixed precision the wrapper runs, as torch's ``MixedPrecision`` (as Lightning's FSDP exposes it);
+        ``None``: the parameters' own dtype."""
+        return self._fsdp_options.torch_mixed_precision(self.precision_plugin.precision)
 
     def __repr__(self) -> str:
         return strategy_repr(self, "lightning_haiscale.fabric.HaiFSDPStrategy")
@@ -215,7 +225,7 @@ class HaiFSDPStrategy(HaiParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
         if self.state_dict_type == "full":
-            return self._wrapper().full_optim_state_dict(optimizer)
+            return index_keyed(self._wrapper().full_optim_state_dict(optimizer))
         return self._wrapper().sharded_optim_state_dict(optimizer)
 
     @override
@@ -225,7 +235,8 @@ class HaiFSDPStrategy(HaiParallelStrategy):
             return
         path = Path(self.broadcast(str(filepath)))
         model_shard, optim_shards = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
-        with folder_checkpoint(path, publisher=self.is_global_zero, barrier=self.barrier) as staging:
+        publisher, barrier, broadcast = self.is_global_zero, self.barrier, self.broadcast
+        with folder_checkpoint(path, publisher=publisher, barrier=barrier, broadcast=broadcast) as staging:
             save_dcp(staging, model_shard, optim_shards, self._wrapper().process_group)  # creates the folder
             if self.is_global_zero:
                 save_file(self.checkpoint_io, checkpoint, staging / _META_FILE, storage_options)
@@ -241,6 +252,8 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         optimizers = self.optimizers if self.lightning_module.trainer.state.fn == TrainerFn.FITTING else []
         if is_dcp_folder(path):
             meta = dict(self.checkpoint_io.load_checkpoint(path / _META_FILE, weights_only=weights_only))
+            if optimizers:
+                optimizer_states_of({"optimizer_states": optimizer_keys(path), **meta}, path, len(optimizers))
             model_shard, optim_shards = load_dcp(path, model, len(optimizers), strict=strict)
             model.load_sharded_state_dict([model_shard], strict=strict)
             for optimizer, shard in zip(optimizers, optim_shards, strict=True):
@@ -256,8 +269,10 @@ class HaiFSDPStrategy(HaiParallelStrategy):
             return meta
         checkpoint = _mmap(path, safe)
         model.load_full_state_dict(checkpoint.pop("state_dict"), strict=strict)
-        for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", []), strict=False):
+        states = optimizer_states_of(checkpoint, path, len(optimizers)) if optimizers else []
+        for optimizer, state in zip(optimizers, states, strict=True):
             model.load_full_optim_state_dict(optimizer, state)
+        checkpoint.pop("optimizer_states", None)
         return checkpoint
 
     @override

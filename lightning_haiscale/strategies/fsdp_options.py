@@ -80,6 +80,29 @@ class HaiFSDPOptions:
     activation_checkpointing: CheckpointPolicy | None = None
     cpu_offload: bool = False
 
+    def mixed_precision_for(self, precision: str) -> MixedPrecision | None:
+        """The policy the wrapper runs under the Trainer's or Fabric's ``precision``: the user's; without one,
+        bf16-mixed gathers and reduces in bf16 (half the traffic) while autocast still runs the ops."""
+        if self.mixed_precision is None and precision == "bf16-mixed":
+            return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=False)
+        return self.mixed_precision
+
+    def torch_attributes(self) -> tuple[ShardingStrategy, CPUOffload]:
+        """``sharding_strategy`` and ``cpu_offload`` as torch's objects: the public attributes of Lightning's
+        ``FSDPStrategy``, which users compare with torch's enum."""
+        return ShardingStrategy[self.sharding_strategy], CPUOffload(offload_params=self.cpu_offload)
+
+    def torch_mixed_precision(self, precision: str) -> TorchMixedPrecision | None:
+        """:meth:`mixed_precision_for` as torch's ``MixedPrecision`` (Lightning's ``mixed_precision_config``)."""
+        mixed = self.mixed_precision_for(precision)
+        if mixed is None:
+            return None
+        return TorchMixedPrecision(
+            param_dtype=mixed.param_dtype,
+            reduce_dtype=mixed.reduce_dtype,
+            cast_forward_inputs=mixed.cast_forward_inputs,
+        )
+
 
 def hai_fsdp_options(
     *,
@@ -242,12 +265,9 @@ def wrap_hai_fsdp(
 ) -> FullyShardedDataParallel:
     """Applies activation checkpointing, then shards ``module``; ``timeout`` is the engine's deadline.
 
-    Without a ``mixed_precision`` of the user's, bf16-mixed gathers and reduces in bf16 (half the traffic) while
-    autocast still runs the ops.
+    The mixed precision: :meth:`HaiFSDPOptions.mixed_precision_for`.
     """
-    mixed = options.mixed_precision
-    if mixed is None and precision == "bf16-mixed":
-        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=False)
+    mixed = options.mixed_precision_for(precision)
     if options.activation_checkpointing is not None:
         apply_activation_checkpointing(module, options.activation_checkpointing)
     extra: dict[str, Any] = {"sharding_strategy": options.sharding_strategy}

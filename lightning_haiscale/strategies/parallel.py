@@ -47,7 +47,7 @@ from typing_extensions import override
 from lightning_haiscale.hfreduce import abort_job
 from lightning_haiscale.restart_store import restart_safe_store
 from lightning_haiscale.strategies.arguments import check_timeout
-from lightning_haiscale.strategies.checkpoint_file import save_file
+from lightning_haiscale.strategies.checkpoint_file import check_file_targets, save_file
 
 __all__ = ["HaiParallelStrategy", "agree_on_inf", "init_dist_connection", "no_sync_of", "register_once"]
 
@@ -194,7 +194,9 @@ class HaiParallelStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Rank 0 writes one file that a kill leaves as the previous or the new one (see ``checkpoint_file``)."""
+        """Rank 0 writes one file that a kill leaves as the previous or the new one (see ``checkpoint_file``); a
+        directory at ``filepath`` raises on every rank, as Lightning's ``FSDPStrategy``."""
+        check_file_targets(self.broadcast, self.is_global_zero, [filepath])
         if self.is_global_zero:
             save_file(self.checkpoint_io, checkpoint, filepath, storage_options)
 

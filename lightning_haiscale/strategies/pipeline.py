@@ -44,7 +44,7 @@ from lightning_haiscale.pipeline.pipelines import recorded_ties
 from lightning_haiscale.pipeline.ties import ties_within_a_rank
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
 from lightning_haiscale.strategies.pipeline_arguments import check_pipeline_arguments
-from lightning_haiscale.strategies.pipeline_checkpoint import PipelineCheckpoints
+from lightning_haiscale.strategies.pipeline_checkpoint import LoadedCheckpoint, PipelineCheckpoints
 from lightning_haiscale.strategies.pipeline_network import Network, find_network, first_batch_inputs, split_network
 from lightning_haiscale.strategies.pipeline_step import ForwardStandIn, PipelinedStep, StageProxy
 
@@ -103,7 +103,7 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
         self._pipeline: Pipeline | None = None
         self._step: PipelinedStep | None = None
         self._saved_layers: list[str] | None = None
-        self._stage_files: tuple[Any, range, bool | None, str | None] = ("", range(0), None, None)  # load_checkpoint
+        self._loaded: LoadedCheckpoint | None = None  # what load_checkpoint read
         self._network: Network | None = None
         self._forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
 

@@ -128,6 +128,6 @@ def test_checkpointed_blocks_keep_every_key_and_train_like_one_process(tmp_path:
             assert all("_checkpoint_wrapped_module" not in k for k in got["sharded_keys"]), (name, when)
         merged = tmp_path / f"{name}.pt"
         dcp_to_torch_save(tmp_path / f"{name}_before", merged)
-        assert set(torch.load(merged)["state_dict"]) == set(keys)  # torch's own reader sees every key
+        assert set(torch.load(merged)["model"]) == set(keys)  # torch's own reader sees every key
     for message in results[0]["hooks"]:
         assert "norm_1.weight" in message

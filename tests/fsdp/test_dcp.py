@@ -1,6 +1,8 @@
 """hai_fsdp's shards in ``torch.distributed.checkpoint`` format: the box cover of a flat range (pure), and a
 world-2 checkpoint read back at world 3 (model and AdamW state equal to the full state, element for element)
-and converted by torch's ``dcp_to_torch_save`` into whole tensors."""
+and converted by torch's ``dcp_to_torch_save`` into whole tensors under Lightning FSDP's keys (``model``,
+``optimizer_0``). A folder in the layout lightning-haiscale 0.2 wrote (``state_dict``, a list
+``optimizer_states`` whose ``param_groups`` is one saved object) still loads, with the same values."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from examples.gpt.model import Block
@@ -22,7 +26,7 @@ from lightning_haiscale.fsdp import (
     sharded_optim_state_dict,
     sharded_state_dict,
 )
-from lightning_haiscale.fsdp.dcp import boxes, load_dcp, save_dcp
+from lightning_haiscale.fsdp.dcp import _optim_pieces, _pieces_of, _SavePlanner, boxes, load_dcp, save_dcp
 from tests.distributed import run_distributed
 from tests.fsdp.helpers import batches, local, loss_of, make_model
 
@@ -62,14 +66,40 @@ def _save_at_two(rank: int, world: int, folder: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
     save_dcp(Path(folder, "dcp"), sharded_state_dict(model), [sharded_optim_state_dict(model, optimizer)], None)
+    _save_as_0_2(Path(folder, "legacy"), model, optimizer)
     full = {"state_dict": full_state_dict(model), "optim": full_optim_state_dict(model, optimizer)}
     if rank == 0:
         torch.save(full, Path(folder, "full.pt"))
 
 
-def _load_at_three(rank: int, world: int, folder: str) -> None:
+def _save_as_0_2(path: Path, model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+    """The folder lightning-haiscale 0.2's ``save_dcp`` wrote (its code, with the pieces as they are today)."""
+    shard, optim = sharded_state_dict(model), sharded_optim_state_dict(model, optimizer)
+    old_optimizer = {**_optim_pieces(optim), "param_groups": tuple(optim["param_groups"])}
+    state = {"state_dict": {**_pieces_of(shard, aliases=True), **shard["buffers"]}, "optimizer_states": [old_optimizer]}
+    dcp.save(state, checkpoint_id=path, planner=_SavePlanner(), process_group=None)
+    dist.barrier()
+
+
+def test_dcp_checkpoint_reshards_and_converts(tmp_path: Path) -> None:
+    run_distributed(_save_at_two, 2, str(tmp_path), timeout=120)
+    for saved in ("dcp", "legacy"):
+        run_distributed(_load_at_three, 3, str(tmp_path), saved, timeout=120)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "converted.pt")
+    converted = torch.load(tmp_path / "converted.pt", weights_only=False)
+    expected = torch.load(tmp_path / "full.pt", weights_only=True)
+    # every key, the tied LM head ("4.lm_head.weight", GPT's token embedding) too: loads into the bare module
+    assert converted["model"].keys() == expected["state_dict"].keys()
+    assert all(torch.equal(v, expected["state_dict"][k]) for k, v in converted["model"].items())
+    optim = converted["optimizer_0"]
+    for name, values in expected["optim"]["state"].items():
+        assert torch.equal(optim["state"][name]["exp_avg"], values["exp_avg"]), name
+    assert list(optim["param_groups"]) == expected["optim"]["param_groups"]
+
+
+def _load_at_three(rank: int, world: int, folder: str, saved: str) -> None:
     model, optimizer = _wrapped()
-    model_shard, optim_shards = load_dcp(Path(folder, "dcp"), model, 1)
+    model_shard, optim_shards = load_dcp(Path(folder, saved), model, 1)
     load_sharded_state_dict(model, [model_shard])
     load_sharded_optim_state_dict(model, optimizer, optim_shards)
     got = {"state_dict": full_state_dict(model), "optim": full_optim_state_dict(model, optimizer)}
@@ -80,18 +110,3 @@ def _load_at_three(rank: int, world: int, folder: str) -> None:
         for name, values in expected["optim"]["state"].items():
             for key, value in values.items():
                 assert torch.equal(torch.as_tensor(got["optim"]["state"][name][key]), torch.as_tensor(value))
-
-
-def test_dcp_checkpoint_reshards_and_converts(tmp_path: Path) -> None:
-    run_distributed(_save_at_two, 2, str(tmp_path), timeout=120)
-    run_distributed(_load_at_three, 3, str(tmp_path), timeout=120)
-    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "converted.pt")
-    converted = torch.load(tmp_path / "converted.pt", weights_only=False)
-    expected = torch.load(tmp_path / "full.pt", weights_only=True)
-    # every key, the tied LM head ("4.lm_head.weight", GPT's token embedding) too: loads into the bare module
-    assert converted["state_dict"].keys() == expected["state_dict"].keys()
-    assert all(torch.equal(v, expected["state_dict"][k]) for k, v in converted["state_dict"].items())
-    optim = converted["optimizer_states"][0]
-    for name, values in expected["optim"]["state"].items():
-        assert torch.equal(optim["state"][name]["exp_avg"], values["exp_avg"]), name
-    assert list(optim["param_groups"]) == expected["optim"]["param_groups"]

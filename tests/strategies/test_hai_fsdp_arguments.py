@@ -106,13 +106,13 @@ def test_documented_calls_build(cls: type) -> None:
     for call in _documented_calls(policy):
         strategy = cls(**call)
         assert strategy.state_dict_type == call.get("state_dict_type", "full")
-        assert strategy.sharding_strategy == call.get("sharding_strategy", "FULL_SHARD")
+        assert strategy.sharding_strategy == ShardingStrategy[call.get("sharding_strategy", "FULL_SHARD")]
 
 
 @BOTH
 def test_hybrid_keywords(cls: type) -> None:
     for value in ("HYBRID_SHARD", "_hybrid_shard_zero2", ShardingStrategy.HYBRID_SHARD):
-        assert "HYBRID" in cls(sharding_strategy=value).sharding_strategy
+        assert "HYBRID" in cls(sharding_strategy=value).sharding_strategy.name
     assert cls(sharding_strategy="HYBRID_SHARD", device_mesh=[2, 4])._fsdp_options.wrapper["device_mesh"] == (2, 4)
     with pytest.raises(ValueError, match=r"device_mesh=\(2, 4\) describes hybrid sharding .* sharding_strategy='FULL"):
         cls(device_mesh=(2, 4))
@@ -122,9 +122,25 @@ def test_hybrid_keywords(cls: type) -> None:
 
 
 @BOTH
+def test_lightnings_public_attributes(cls: type) -> None:
+    """What Lightning's FSDP tests read: torch's objects (``tests_pytorch/strategies/test_fsdp.py``:
+    ``strategy.sharding_strategy == ShardingStrategy.X``, ``strategy.cpu_offload.offload_params``,
+    ``strategy.mixed_precision_config``)."""
+    plain = cls()
+    assert plain.sharding_strategy == ShardingStrategy.FULL_SHARD
+    assert isinstance(plain.cpu_offload, CPUOffload) and not plain.cpu_offload.offload_params
+    assert cls(cpu_offload=True).cpu_offload.offload_params
+    mixed = TorchMixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    config = cls(mixed_precision=mixed).mixed_precision_config
+    assert isinstance(config, TorchMixedPrecision)
+    assert (config.param_dtype, config.reduce_dtype) == (torch.float16, torch.float32)
+
+
+@BOTH
 def test_sharding_strategy_spellings(cls: type) -> None:
-    assert cls(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP).sharding_strategy == "SHARD_GRAD_OP"
-    assert cls(sharding_strategy="no_shard").sharding_strategy == "NO_SHARD"
+    # torch's enum, as Lightning's FSDPStrategy exposes it (a string compared with the enum was silently unequal)
+    assert cls(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP).sharding_strategy == ShardingStrategy.SHARD_GRAD_OP
+    assert cls(sharding_strategy="no_shard").sharding_strategy == ShardingStrategy.NO_SHARD
     with pytest.raises(ValueError, match="sharding_strategy='ZERO3' must be one of FULL_SHARD, SHARD_GRAD_OP"):
         cls(sharding_strategy="ZERO3")
     with pytest.raises(TypeError, match="sharding_strategy=3"):
@@ -260,5 +276,6 @@ def test_lightning_cli_parses_the_keywords(monkeypatch: pytest.MonkeyPatch) -> N
     args += [f"--trainer.strategy.{k}" for k in (*given, "activation_checkpointing_policy=[torch.nn.Linear]")]
     strategy = LightningCLI(_Model, _Data, args=args, run=False, save_config_callback=None).trainer.strategy
     options = strategy._fsdp_options
-    assert strategy.sharding_strategy == "SHARD_GRAD_OP" and options.cpu_offload
+    assert strategy.sharding_strategy == ShardingStrategy.SHARD_GRAD_OP and options.cpu_offload
+    assert strategy.cpu_offload == CPUOffload(offload_params=True)
     assert list(options.activation_checkpointing) == [nn.Linear] and options.wrapper["limit_all_gathers"] is False
