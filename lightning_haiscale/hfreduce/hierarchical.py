@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -15,7 +15,12 @@ from lightning_haiscale.hfreduce._native import load_engine
 from lightning_haiscale.hfreduce.abort import watch_other_hosts
 from lightning_haiscale.hfreduce.backend import Backend
 from lightning_haiscale.hfreduce.dtypes import engine_dtype
-from lightning_haiscale.hfreduce.errors import HFReduceAbortedError, HFReduceError, HFReduceMismatchError
+from lightning_haiscale.hfreduce.errors import (
+    HFReduceAbortedError,
+    HFReduceError,
+    HFReduceMismatchError,
+    HFReducePeerError,
+)
 from lightning_haiscale.hfreduce.fallback import all_gather_tensor, global_rank, reduce_scatter_tensor
 from lightning_haiscale.hfreduce.shm import ShmBackend
 
@@ -78,7 +83,8 @@ class HierarchicalBackend(Backend):
             host_pieces = output.new_empty(self.topology.num_hosts * n)
             self._host.reduce_scatter(host_pieces, by_local, 1.0)
             # blocking: gloo's asynchronous reduce_scatter_tensor never reported is_completed() here
-            reduce_scatter_tensor(output, host_pieces, group=self._cross_group)
+            with self._naming_peers():
+                reduce_scatter_tensor(output, host_pieces, group=self._cross_group)
         if divisor != 1.0:
             output.div_(divisor)
 
@@ -116,7 +122,24 @@ class HierarchicalBackend(Backend):
                 rank, reason = aborted
                 raise HFReduceAbortedError(f"hfreduce: {reason} (this is group rank {self.rank})", [rank])
             time.sleep(_CROSS_POLL_S)
-        work.wait()
+        with self._naming_peers():
+            work.wait()
+
+    @contextlib.contextmanager
+    def _naming_peers(self) -> Iterator[None]:
+        """A failed transfer across hosts (gloo's error names an address) becomes :class:`HFReducePeerError`
+        naming the group ranks this rank exchanges with on the other hosts."""
+        try:
+            yield
+        except RuntimeError as error:
+            if isinstance(error, HFReduceError):
+                raise
+            peers = [r for r in self.topology.cross_host_ranks(self.topology.local_rank) if r != self.rank]
+            message = (
+                f"hfreduce: the transfer across hosts with group ranks {peers} failed (this is group rank "
+                f"{self.rank}): {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+            )
+            raise HFReducePeerError(message, peers) from error
 
     def alloc_buffer(self, numel: int, dtype: torch.dtype, barrier: Callable[[], None]) -> torch.Tensor:
         return self._host.alloc_buffer(numel, dtype, barrier)
