@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_haiscale.hfreduce._native import load_engine
-from lightning_haiscale.hfreduce.abort import watch_other_hosts
+from lightning_haiscale.hfreduce.abort import forget_other_hosts, watch_other_hosts
 from lightning_haiscale.hfreduce.backend import Backend
 from lightning_haiscale.hfreduce.dtypes import engine_dtype
 from lightning_haiscale.hfreduce.errors import (
@@ -41,7 +41,10 @@ class HierarchicalBackend(Backend):
         self._world_size = len(self.topology.peers)
         self._cross_group, self._cross_order = self._make_cross_groups()
         self._disagreed: str | None = None  # set when hosts called different collectives
-        watch_other_hosts()
+        self._peers = [
+            global_rank(group, r) for r in self.topology.cross_host_ranks(self.topology.local_rank) if r != self.rank
+        ]
+        watch_other_hosts(self._peers, host.timeout_s)
 
     def _make_cross_groups(self) -> tuple[dist.ProcessGroup | None, list[int]]:
         """The group of this rank's local index on every host, and the (local index, host) order of ranks."""
@@ -145,6 +148,9 @@ class HierarchicalBackend(Backend):
         return self._host.alloc_buffer(numel, dtype, barrier)
 
     def close(self) -> None:
+        if self._peers:
+            forget_other_hosts(self._peers)
+            self._peers = []
         self._host.close()
 
     # ------------------------------------------------------------------------------------ agreement

@@ -27,6 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 _ADDRESSES = ("10.231.0.1", "10.231.0.2")
 _PORT = 29531
+_LAUNCHER_VARIABLES = ("HFREDUCE_NODE_ID", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def _sh(*args: str) -> None:
@@ -86,18 +87,17 @@ class TwoHosts:
             )
             command = ["ip", "netns", "exec", host.namespace, "unshare", "--mount", "--uts", "--pid", "--fork",
                        "--mount-proc", "--propagation", "private", "sh", "-c", script, "sh", *torchrun]  # fmt: skip
-            variables = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+            inherited = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+            variables = {**inherited, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                          "GLOO_SOCKET_IFNAME": host.interface, **(env or {})}  # fmt: skip
-            for name_ in ("HFREDUCE_NODE_ID", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-                variables.pop(name_, None)
             host.process = subprocess.Popen(
                 command, env=variables, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
 
-    def wait(self, timeout: float) -> list[int | None]:
-        """Each host's exit status (None: still running at ``timeout``, then killed)."""
+    def wait(self, timeout: float, hosts: Sequence[int] = (0, 1)) -> list[int | None]:
+        """Each of ``hosts``' exit status (None: still running at ``timeout``, then killed)."""
         deadline, codes = time.monotonic() + timeout, []
-        for host in self.hosts:
+        for host in (self.hosts[i] for i in hosts):
             try:
                 out, _ = host.process.communicate(timeout=max(1.0, deadline - time.monotonic()))
                 host.log.append(out)

@@ -2,7 +2,8 @@
 
 ``fit``: ``hai_ddp`` trains the parity Classifier in float64 (``precision="64-true"``); each rank records the
 hosts its engine saw, rank 0 the weights. ``loop``: all-reduces through a Communicator until a collective
-fails, after writing ``ready``; the rank records the error and the time it was raised, then exits 1.
+fails, after writing ``ready<rank>``; the rank records the error, when it started its Communicator and when the
+error was raised, then exits 1.
 """
 
 from __future__ import annotations
@@ -48,18 +49,21 @@ def fit(out: Path) -> None:
 def loop(out: Path) -> None:
     from lightning_haiscale.hfreduce import Communicator
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ["JOB_TIMEOUT_S"])))
-    comm = Communicator(timeout=timedelta(seconds=float(os.environ["JOB_TIMEOUT_S"])))
-    tensor = torch.ones(1 << 12)
-    for _ in range(20):
-        comm.all_reduce(tensor, op="avg")
-    (out / f"ready{dist.get_rank()}").touch()
+    timeout = timedelta(seconds=float(os.environ["JOB_TIMEOUT_S"]))
+    dist.init_process_group("gloo", timeout=timeout)
+    started, hosts = time.time(), None
     try:
+        comm = Communicator(timeout=timeout)
+        hosts = comm.num_hosts
+        tensor = torch.ones(1 << 12)
+        for _ in range(20):
+            comm.all_reduce(tensor, op="avg")
+        (out / f"ready{dist.get_rank()}").touch()
         while True:
             comm.all_reduce(tensor, op="avg")
     except Exception as error:
-        _write(out, {"error": f"{type(error).__name__}: {error}", "at": time.time(), "hosts": comm.num_hosts})
-        comm.close()
+        message = f"{type(error).__name__}: {error}"
+        _write(out, {"error": message, "at": time.time(), "started": started, "hosts": hosts})
         sys.exit(1)
 
 

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from lightning_haiscale.hfreduce.liveness import SILENT_S
 from lightning_haiscale.testing.parity import BATCH, STEPS, assert_parity, reference
 from tests.hosts.conftest import TwoHosts
 
@@ -41,7 +42,7 @@ def _survivors_name_the_lost_host(two_hosts: TwoHosts, lose: str) -> list[float]
     two_hosts.wait_for([f"ready{r}" for r in range(4)], _JOB_S)
     lost = time.time()
     getattr(two_hosts.hosts[1], lose)()
-    codes = two_hosts.wait(_JOB_S)
+    codes = two_hosts.wait(_JOB_S, hosts=[0])  # the lost host is killed at teardown
     assert codes[0] not in (0, None), two_hosts.logs()
     records = _records(two_hosts, (0, 1))
     for record in records.values():
@@ -52,4 +53,25 @@ def _survivors_name_the_lost_host(two_hosts: TwoHosts, lose: str) -> list[float]
 
 def test_a_killed_host_is_named_within_seconds(two_hosts: TwoHosts) -> None:
     delays = _survivors_name_the_lost_host(two_hosts, "kill")
-    assert max(delays) < 30, delays  # measured well under a second on a quiet machine
+    print(f"killed host: named after {max(delays):.2f} s")
+    assert max(delays) < 30, delays  # gloo sees the closed sockets: measured well under a second
+
+
+def test_a_silent_host_is_named_within_seconds(two_hosts: TwoHosts) -> None:
+    """Its link dropped: no socket closes, gloo would wait for the job's timeout (_JOB_S here)."""
+    delays = _survivors_name_the_lost_host(two_hosts, "drop_link")
+    print(f"silent host: named after {max(delays):.2f} s")
+    assert max(delays) < SILENT_S + 20, delays  # the heartbeat's silence, and a loaded machine's margin
+
+
+def test_one_node_id_on_two_hosts_fails_at_once_naming_it(two_hosts: TwoHosts) -> None:
+    """HFREDUCE_NODE_ID says one host, but the two cannot see each other's /dev/shm: the named error, at once."""
+    two_hosts.start(["loop"], names=["a", "b"], env={"JOB_TIMEOUT_S": str(_JOB_S), "HFREDUCE_NODE_ID": "same"})
+    assert two_hosts.wait(_JOB_S) == [1, 1], two_hosts.logs()
+    records = _records(two_hosts)
+    for record in records.values():
+        assert "host identity clash" in record["error"] and "HFREDUCE_NODE_ID='same'" in record["error"], record
+    delays = [r["at"] - r["started"] for r in records.values()]
+    print(f"one HFREDUCE_NODE_ID on two hosts: raised after {max(delays):.2f} s")
+    assert max(delays) < 5, records
+    _no_segment_left(two_hosts)
