@@ -139,6 +139,8 @@ class FullyShardedDataParallel(nn.Module):
         communicator: an existing engine over the model's ranks to use (its group replaces ``process_group``;
             :meth:`close` stops it); hybrid sharding builds its two engines over that group instead, with its
             timeout, and stops it.
+        timeout: the deadline of every wait on a peer in the engines it builds (default 5 minutes; with
+            ``communicator``, that engine's own).
         arrival_timeout: how long a collective call (``state_dict()`` outside ``summon_full_params``,
             ``summon_full_params()``) waits for every rank to make it before raising
             :class:`~lightning_haiscale.fsdp.arrival.CollectiveMisuseError` (see [Note: why an arrival check]).
@@ -165,6 +167,7 @@ class FullyShardedDataParallel(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         communicator: Communicator | None = None,
         arrival_timeout: timedelta = timedelta(seconds=30),
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__()
         _check_args(module, backward_prefetch, mixed_precision)
@@ -184,7 +187,7 @@ class FullyShardedDataParallel(nn.Module):
         self.backward_prefetch = backward_prefetch
         self.mixed_precision = mixed_precision
         self.comm, self.replicate_comm, self.process_group = self._communicators(
-            process_group, device_mesh, communicator
+            process_group, device_mesh, communicator, timeout
         )
         self._closed = False
         units = [u for u in unit_modules(module, auto_wrap_policy) if id(u) not in self._ignored_modules]
@@ -219,13 +222,15 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------------ construction
 
     def _communicators(
-        self, process_group: Any, device_mesh: Any, communicator: Communicator | None
+        self, process_group: Any, device_mesh: Any, communicator: Communicator | None, timeout: timedelta | None
     ) -> tuple[Communicator, Communicator | None, dist.ProcessGroup]:
         """The engines over the shard and replicate groups, and the group of every rank of the model. A given
         ``communicator`` over the whole group is the shard engine (FULL_SHARD, SHARD_GRAD_OP) or the replicate
         one (NO_SHARD); hybrid sharding needs two others over its group (with its timeout) and stops it."""
         strategy = self.sharding_strategy
-        timeout = communicator.timeout if communicator is not None else timedelta(minutes=5)
+        if communicator is not None:
+            timeout = communicator.timeout
+        timeout = timeout if timeout is not None else timedelta(minutes=5)
         if communicator is not None:
             if not strategy.hybrid and strategy is not ShardingStrategy.NO_SHARD:
                 return communicator, None, communicator.group
