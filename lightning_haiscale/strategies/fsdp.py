@@ -253,7 +253,8 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         if is_dcp_folder(path):
             meta = dict(self.checkpoint_io.load_checkpoint(path / _META_FILE, weights_only=weights_only))
             if optimizers:
-                optimizer_states_of({"optimizer_states": optimizer_keys(path), **meta}, path, len(optimizers))
+                saved = optimizer_keys(path) or None  # none: weights only, as the connector reports it
+                optimizer_states_of({**meta, "optimizer_states": saved}, path, len(optimizers))
             model_shard, optim_shards = load_dcp(path, model, len(optimizers), strict=strict)
             model.load_sharded_state_dict([model_shard], strict=strict)
             for optimizer, shard in zip(optimizers, optim_shards, strict=True):

@@ -1,5 +1,6 @@
 """A pipeline checkpoint is whole: its full file resumes under ``hai_fsdp``, ``hai_ddp``, one device and another
-pipeline layout with every stage's momentum, and matches one process trained straight through.
+pipeline layout with every stage's momentum, and matches one process trained straight through; and ``hai_ddp``'s
+and ``hai_fsdp``'s files resume under a pipeline.
 
 Was: the full file had no optimizer states (only the ``.stage<k>`` files did); ``hai_fsdp`` zipped an empty list,
 Lightning logged "Restored all states" and training went on from fresh momentum; ``hai_ddp`` and one device raised
@@ -93,7 +94,19 @@ def _resume_everywhere(rank: int, world: int, tmp: str) -> None:
         full = resumed.strategy.lightning_module_state_dict()
         if rank == 0:
             _check(full, expected, label)
+    _into_a_pipeline(tmp_path, expected)
     _earlier_versions(tmp_path, saved)
+
+
+def _into_a_pipeline(tmp_path: Path, expected: dict[str, torch.Tensor]) -> None:
+    """And back: ``hai_ddp``'s and ``hai_fsdp``'s full files (index-keyed, no parameter names) resume under a
+    pipeline of 4 stages, the positions named by the pipeline's parameter order."""
+    for name, strategy in (("hai_ddp", "hai_ddp"), ("hai_fsdp", HaiFSDPStrategy())):
+        _fit(strategy, 2, tmp_path / name, save=True)
+        resumed = _fit(Interleaved1F1BStrategy(chunks=2), 1, tmp_path, ckpt_path=tmp_path / name / "step=3.ckpt")
+        full = resumed.strategy.lightning_module_state_dict()
+        if dist.get_rank() == 0:
+            _check(full, expected, f"{name} -> hai_interleaved_1f1b")
 
 
 def _earlier_versions(tmp_path: Path, saved: dict[str, Any]) -> None:
