@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterable
@@ -43,6 +44,7 @@ _ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's live host e
 _watcher: threading.Thread | None = None
 _stopping = threading.Event()
 _HEARTBEATS = Heartbeats()
+_LOST: list[str] = []  # why a peer on another host was declared lost, once one was
 
 
 def register_engine(engine: _Abortable) -> None:
@@ -94,7 +96,19 @@ def _stop_watching() -> None:
         watcher.join(_EXIT_JOIN_S)
 
 
+def _exit_now_if_a_host_was_lost() -> None:
+    """A process that lost a host exits at once with status 1: gloo's work still waiting on that host would
+    hold the interpreter's finalization (the process group's destructor joins its threads) until the process
+    group's timeout; torchrun then restarts the job or reports it failed within seconds, not that timeout."""
+    if _LOST:
+        log.error("hfreduce: exiting without waiting on the lost host (%s)", _LOST[0])
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(1)
+
+
 call_at_exit(_stop_watching)
+call_at_exit(_exit_now_if_a_host_was_lost)
 
 
 def _abort_here(rank: int, reason: str) -> None:
@@ -122,6 +136,7 @@ def _watch() -> None:
             lost = _HEARTBEATS.tick(connection, dist.get_rank())
             if lost is not None:
                 log.error("hfreduce: %s", lost[1])
+                _LOST.append(lost[1])
                 _abort_here(*lost)
                 return
     except RuntimeError as error:  # the store's host is gone: that job is over

@@ -8,8 +8,10 @@ hosts counts a heartbeat in the store (``<prefix><rank>``, every ``BEAT_S``) fro
 for ``silent_s`` (10 s, or the communicator's timeout if shorter), over as many of this watcher's own checks
 as that takes (a watcher that was itself descheduled does not judge), is declared lost: the watcher aborts this
 host's engines naming it (see [Note: aborting a job] in abort.py), so every wait on it ends, and the
-strategy's timeout stays the outer bound of whatever does not wait in the engine. A rank that closes its last
-engine of several hosts writes -1 (it left; nobody waits for it), so a job's normal end is never a loss.
+strategy's timeout stays the outer bound of whatever does not wait in the engine. Such a process then exits
+at once when it ends (status 1; see abort.py), rather than wait at finalization on gloo's work for that host.
+A rank that closes its last engine of several hosts writes -1 (it left; nobody waits for it), so a job's
+normal end is never a loss.
 Limit: the store lives on one host (torchrun's agent or rank 0); if that host is the one that goes silent,
 the survivors' store calls wait for the store's timeout instead.
 """

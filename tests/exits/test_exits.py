@@ -47,3 +47,29 @@ def test_script_exits_0(api: str, strategy: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "pipeline"])
 def test_plain_example_exits_0(name: str, tmp_path: Path) -> None:
     _no_failed_exit(["-m", f"examples.plain.{name}"], tmp_path)
+
+
+_EXIT_PROBE = """
+import atexit, threading
+import torch, torch.distributed as dist
+atexit.register(lambda: print("at finalization:", dist.is_initialized(), sorted(
+    t.name for t in threading.enumerate() if t.name.startswith("hfreduce"))))  # runs after the library's hook
+from lightning_haiscale.hfreduce import Communicator
+from lightning_haiscale.hfreduce.at_exit import destroy_at_exit
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+destroy_at_exit()  # as a strategy does for the group it creates
+comm = Communicator()
+comm.all_reduce(torch.ones(8), async_op=True)  # never waited for, never closed
+"""
+
+
+def test_what_the_library_started_has_ended_before_finalization() -> None:
+    """The exit hook closed the open communicator and destroyed the strategy's process group (see [Note: a
+    finished job exits 0]); without the hook, the group is still initialized here."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    probe = _EXIT_PROBE.format(port=find_free_network_port())
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "at finalization: False []" in done.stdout, done.stdout + done.stderr[-3000:]

@@ -1,10 +1,9 @@
-"""One rank of the two-host tests, under torchrun on each host (see hosts.py). Writes ``<out>/<rank>.json``.
+"""One rank of the two-host tests, under torchrun on each host (see conftest.py). Writes ``<out>/<rank>.json``.
 
-``fit``: ``hai_ddp`` trains the parity Classifier in float64 (``precision="64-true"``); each rank records the
-hosts its engine saw, rank 0 the weights. ``loop``: all-reduces through a Communicator until a collective
-fails, after writing ``ready<rank>``; the rank records the error, when it started its Communicator and when the
-error was raised, then exits 1.
-"""
+``fit <strategy>``: ``hai_ddp`` or ``hai_fsdp_hybrid`` (``HYBRID_SHARD``) trains the parity Classifier in
+float64 (``precision="64-true"``); each rank records its engines' ranks and backends, rank 0 the weights.
+``loop``: all-reduces through a Communicator until a collective fails, after writing ``ready<rank>``; the
+rank records the error, when it started its Communicator and when the error was raised, then exits 1."""
 
 from __future__ import annotations
 
@@ -23,27 +22,30 @@ def _write(out: Path, record: dict) -> None:
     (out / f"{os.environ['RANK']}.json").write_text(json.dumps(record))
 
 
-def fit(out: Path) -> None:
+def fit(out: Path, strategy: str) -> None:
     import lightning as L
     from torch.utils.data import DataLoader
 
+    from lightning_haiscale import HaiFSDPStrategy
     from lightning_haiscale.testing.parity import BATCH, STEPS, Classifier, data
 
     class Record(L.Callback):
         def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-            comm = trainer.strategy.model.reducer.comm
-            self.seen = {"hosts": [list(h) for h in comm.topology.hosts], "backend": comm.backend}
+            model = trainer.strategy.model
+            engines = [model.reducer.comm] if strategy == "hai_ddp" else [model.comm, model.replicate_comm]
+            self.seen = [[dist.get_process_group_ranks(c.group), c.backend] for c in engines]
 
     record = Record()
+    chosen = HaiFSDPStrategy(sharding_strategy="HYBRID_SHARD") if strategy == "hai_fsdp_hybrid" else strategy
     trainer = L.Trainer(
-        strategy="hai_ddp", accelerator="cpu", devices=2, num_nodes=2, precision="64-true", max_steps=STEPS,
+        strategy=chosen, accelerator="cpu", devices=2, num_nodes=2, precision="64-true", max_steps=STEPS,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[record],
     )  # fmt: skip
-    model = Classifier()
-    trainer.fit(model, DataLoader(data(BATCH * STEPS * 4), batch_size=BATCH, shuffle=True))
-    weights = {k: v.tolist() for k, v in model.state_dict().items()} if trainer.global_rank == 0 else None
-    _write(out, {**record.seen, "weights": weights})
+    trainer.fit(Classifier(), DataLoader(data(BATCH * STEPS * 4), batch_size=BATCH, shuffle=True))
+    state = trainer.strategy.lightning_module_state_dict()  # a collective; rank 0 holds the whole model
+    weights = {k: v.tolist() for k, v in state.items()} if trainer.global_rank == 0 else None
+    _write(out, {"engines": record.seen, "weights": weights})
 
 
 def loop(out: Path) -> None:
@@ -68,4 +70,4 @@ def loop(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"fit": fit, "loop": loop}[sys.argv[1]](Path(sys.argv[2]))
+    {"fit": fit, "loop": loop}[sys.argv[1]](Path(sys.argv[-1]), *sys.argv[2:-1])

@@ -1,12 +1,14 @@
 """The cross-host path on two real hosts (see [Note: two hosts from namespaces] in conftest.py), with no
-``HFREDUCE_NODE_ID``: parity of ``hai_ddp`` with one process when both hosts have one host name, and a host
-that is killed or goes silent named within seconds on the survivors; no case leaves a segment behind."""
+``HFREDUCE_NODE_ID``: parity of ``hai_ddp`` and ``hai_fsdp`` ``HYBRID_SHARD`` with one process when both hosts
+have one host name, and a host that is killed or goes silent named within seconds on the survivors; no case
+leaves a segment behind."""
 
 from __future__ import annotations
 
 import json
 import time
 
+import pytest
 import torch
 
 from lightning_haiscale.hfreduce.liveness import SILENT_S
@@ -26,14 +28,22 @@ def _no_segment_left(two_hosts) -> None:
             assert host.shm_left.read_text().split() == [], two_hosts.logs()
 
 
-def test_one_host_name_on_two_hosts_trains_like_one_process(two_hosts: TwoHosts) -> None:
+# each rank's engines: [group ranks, backend]; hai_ddp: one over all; HYBRID_SHARD: shards in a host, replicas across
+_ENGINES = {
+    "hai_ddp": lambda r: [[[0, 1, 2, 3], "hierarchical"]],
+    "hai_fsdp_hybrid": lambda r: [[[0, 1] if r < 2 else [2, 3], "shm"], [[r % 2, r % 2 + 2], "hierarchical"]],
+}
+
+
+@pytest.mark.parametrize("strategy", list(_ENGINES))
+def test_one_host_name_on_two_hosts_trains_like_one_process(two_hosts: TwoHosts, strategy: str) -> None:
     """Containers from one image often share a host name: the engine must still see two hosts."""
-    two_hosts.start(["fit"], names=["node", "node"])
+    two_hosts.start(["fit", strategy], names=["node", "node"])
     assert two_hosts.wait(_JOB_S) == [0, 0], two_hosts.logs()
     records = _records(two_hosts)
-    assert all(r["hosts"] == [[0, 1], [2, 3]] and r["backend"] == "hierarchical" for r in records.values())
+    assert all(records[r]["engines"] == _ENGINES[strategy](r) for r in range(4)), records
     expected, _ = reference(STEPS, BATCH, dp=4, rows=BATCH * STEPS * 4, dtype=torch.float64)
-    assert_parity(records[0]["weights"], expected, label="hai_ddp on two hosts named alike")
+    assert_parity(records[0]["weights"], expected, label=f"{strategy} on two hosts named alike")
     _no_segment_left(two_hosts)
 
 
