@@ -84,7 +84,10 @@ def split_network(
     points = [p.partition(".")[2] for p in split_points] if split_points else None
     blocks = points[0].rpartition(".")[0] if points else find_blocks(network)
     call = _first_call(strategy, network)
-    before = call_order(network, blocks, *call) if call is not None else None
+    before = None
+    if call is not None:
+        with strategy.precision_plugin.train_step_context():  # as the model runs in training (autocast)
+            before = call_order(network, blocks, *call)
     plan = plan_split(network, ranks * chunks, blocks=blocks, split_points=points, balance=strategy.balance,
                       before=before)  # fmt: skip
     stages = split_module(network, plan, list(range(rank, ranks * chunks, ranks)))
