@@ -65,6 +65,9 @@ class ModuleStage(nn.Module):
         super().__init__()
         self.__dict__["network"] = module  # not a child: the stage's parameters are its own modules'
         self.held = nn.ModuleDict({n.replace(".", "/"): module.get_submodule(n) for n in plan.held_modules(stage)})
+        self.held_params = nn.ParameterDict(
+            {n.replace(".", "/"): module.get_parameter(n) for n in plan.held_params(stage)}
+        )
         self.stage, self.num_stages, self.blocks_name = stage, plan.num_stages, plan.blocks
         self.first = plan.first
         block_list = module.get_submodule(plan.blocks)
@@ -127,6 +130,14 @@ def split_module(module: nn.Module, plan: SplitPlan, stages: Sequence[int]) -> l
             parent, _, child = name.rpartition(".")
             owner = module.get_submodule(parent) if parent else module
             setattr(owner, child, stand_in(owner.get_submodule(child), name))
+    held_params = {name for s in stages for name in plan.held_params(s)}
+    for name in (*plan.first_params, *plan.last_params):
+        if name not in held_params:  # see [Note: parameters beside the blocks] in ``pipeline.split``
+            parent, _, child = name.rpartition(".")
+            owner = module.get_submodule(parent) if parent else module
+            zeros = torch.zeros_like(owner.get_parameter(child), requires_grad=False)
+            delattr(owner, child)
+            owner.register_buffer(child, zeros, persistent=False)
     return parts
 
 

@@ -13,6 +13,12 @@ A plan says which blocks each stage runs and where the other modules with parame
 before the blocks (embeddings) to the first stage, the ones after them (final norm, head) to the last. Which
 runs before is taken from one traced call when there is an example (``call_order``), else from the order of
 registration; modules without parameters (dropout, rotary embeddings) run on every stage.
+
+[Note: parameters beside the blocks] timm's ``VisionTransformer`` holds ``cls_token`` and ``pos_embed``
+itself, beside its ``blocks``, and its own code uses them before the blocks. Such a parameter goes to the
+stage that runs the code using it: the first when the traced call uses it before the first block, else the
+last (without a traced call: the first). Other stages keep a zero, non-persistent buffer of its name, shape
+and dtype (it follows ``.to``, is in no optimizer or state dict), so the module's code runs unchanged there.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from lightning_haiscale.pipeline.balance import balanced_counts
 from lightning_haiscale.pipeline.ties import Tie, find_ties
@@ -39,6 +47,8 @@ class SplitPlan:
     stage_blocks: tuple[tuple[str, ...], ...]
     first: tuple[str, ...]
     last: tuple[str, ...]
+    first_params: tuple[str, ...] = ()  # parameters of a module containing the blocks: see the note
+    last_params: tuple[str, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -53,12 +63,19 @@ class SplitPlan:
             held = [*held, *self.last]
         return held
 
+    def held_params(self, stage: int) -> list[str]:
+        """The names of the parameters beside the blocks that stage ``stage`` holds."""
+        return [*(self.first_params if stage == 0 else ()), *(self.last_params if stage == self.num_stages - 1 else ())]
+
     def ties(self, module: nn.Module) -> list[Tie]:
         """The parameters several stages hold (a tied embedding and head), by identity."""
         stages = [nn.ModuleDict({n.replace(".", "/"): module.get_submodule(n) for n in self.held_modules(s)})
                   for s in range(self.num_stages)]  # fmt: skip
+        for s, stage in enumerate(stages):
+            params = {n.replace(".", "/"): module.get_parameter(n) for n in self.held_params(s)}
+            stage.add_module("/", nn.ParameterDict(params))
         return [
-            Tie(tie.stages, tuple(name.replace("/", ".") for name in tie.names))
+            Tie(tie.stages, tuple(name.removeprefix("/.").replace("/", ".") for name in tie.names))
             for tie in find_ties(stages)
         ]
 
@@ -83,28 +100,43 @@ def find_blocks(module: nn.Module) -> str:
 
 
 def call_order(module: nn.Module, blocks: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[str]:
-    """The modules outside the blocks that one call ``module(*args, **kwargs)`` runs before the first block.
+    """The modules outside the blocks that one call ``module(*args, **kwargs)`` runs before the first block,
+    and the parameters beside the blocks it uses before then.
 
-    Runs the module once without gradients (on a microbatch: every rank, the same call).
+    Runs the module once without gradients (on a microbatch: every rank, the same call), so every rank
+    refuses alike a module with parameters that runs between the blocks (no stage could run it there).
     """
-    units = _outside_units(module, blocks)
+    units, params = _outside_units(module, blocks)
     before: set[str] = set()
-    state = {"in_blocks": False}
+    between: set[str] = set()
+    state = {"in_blocks": False, "done": False}
     handles = [module.get_submodule(blocks).register_forward_pre_hook(lambda m, a: state.update(in_blocks=True))]
-    for name in units:
+    for name in (u for u in units if u != blocks):
         def seen(m: nn.Module, a: Any, name: str = name) -> None:
             if not state["in_blocks"]:
                 before.add(name)
-        handles.append(module.get_submodule(name).register_forward_pre_hook(seen))
-    for block in module.get_submodule(blocks):  # a ModuleList is never called itself: hook its first block
-        handles.append(block.register_forward_pre_hook(lambda m, a: state.update(in_blocks=True)))
-        break
+            elif not state["done"]:
+                between.add(name)
+        for sub in module.get_submodule(name).modules():  # a model may call a unit's submodule directly
+            handles.append(sub.register_forward_pre_hook(seen))
+    block_list = list(module.get_submodule(blocks))  # a ModuleList is never called itself: hook its blocks
+    handles.append(block_list[0].register_forward_pre_hook(lambda m, a: state.update(in_blocks=True)))
+    handles.append(block_list[-1].register_forward_hook(lambda m, a, o: state.update(done=True)))
+    used = {id(module.get_parameter(n)): n for n in params}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _UsedBefore(used, state, before):
             module(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
+    between = {u for u in between if any(True for _ in module.get_submodule(u).parameters())}
+    if between:
+        raise ValueError(
+            f"{type(module).__name__}: {sorted(between)} run between the blocks of {blocks!r} (after the first, "
+            "before the last), and a pipeline stage runs a module outside the blocks only before all of them "
+            "(first stage) or after all of them (last stage); make them part of the blocks, name another block "
+            "list with split_points=, or train this model with hai_ddp or hai_fsdp"
+        )
     return before
 
 
@@ -135,16 +167,32 @@ def plan_split(
     keys = list(module.get_submodule(blocks)._modules)
     bounds = [sum(counts[:i]) for i in range(num_stages + 1)]
     stage_blocks = tuple(tuple(keys[bounds[s] : bounds[s + 1]]) for s in range(num_stages))
-    units = _outside_units(module, blocks)
+    units, params = _outside_units(module, blocks)
     if before is None:
-        before = set(units[: units.index(blocks)])
+        before = set(units[: units.index(blocks)]) | set(params)
     held = [u for u in units if u != blocks and any(True for _ in module.get_submodule(u).parameters())]
     return SplitPlan(
         blocks=blocks,
         stage_blocks=stage_blocks,
         first=tuple(u for u in held if u in before),
         last=tuple(u for u in held if u not in before),
+        first_params=tuple(p for p in params if p in before),
+        last_params=tuple(p for p in params if p not in before),
     )
+
+
+class _UsedBefore(TorchFunctionMode):
+    """Records the parameters in ``used`` (by id) that an operation takes before the blocks begin."""
+
+    def __init__(self, used: dict[int, str], state: dict[str, bool], before: set[str]) -> None:
+        super().__init__()
+        self.used, self.state, self.before = used, state, before
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.used and not self.state["in_blocks"]:
+            self.before.update(self.used[id(t)] for t in tree_leaves((args, kwargs)) if id(t) in self.used)
+        return func(*args, **kwargs)
 
 
 def _counts(block_list: nn.Module, num_stages: int, balance: Sequence[int] | None) -> list[int]:
@@ -189,21 +237,17 @@ def _counts_from_split_points(
     return blocks, [bounds[i + 1] - bounds[i] for i in range(num_stages)]
 
 
-def _outside_units(module: nn.Module, blocks: str) -> list[str]:
+def _outside_units(module: nn.Module, blocks: str) -> tuple[list[str], list[str]]:
     """The largest submodules that neither contain nor lie inside the blocks, in registration order, with the
-    blocks themselves in their place; raises for parameters held directly by a module containing the blocks."""
+    blocks themselves in their place; and the parameters of the modules containing the blocks (see the note)."""
+    params: list[str] = []
 
     def expand(node: nn.Module, prefix: str) -> list[str]:
-        direct = [f"{prefix}{n}" for n, _ in node.named_parameters(recurse=False)]
-        if direct:
-            raise ValueError(
-                f"parameters {direct} belong to a module that contains the blocks {blocks!r}; a pipeline stage "
-                "cannot place them (every stage runs that module): move them into a submodule"
-            )
+        params.extend(f"{prefix}{n}" for n, _ in node.named_parameters(recurse=False))
         units = []
         for name, child in node.named_children():
             full = prefix + name
             units.extend(expand(child, full + ".") if blocks.startswith(full + ".") else [full])
         return units
 
-    return expand(module, "")
+    return expand(module, ""), params

@@ -21,6 +21,7 @@ carried from the stage that ran it, so those values are the real ones (see ``mod
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Any
 
 import torch
@@ -55,8 +56,10 @@ def stand_in(module: nn.Module, name: str) -> nn.Module:
     copied.register_buffer(_PROBE, torch.empty(0, dtype=dtype), persistent=False)
     copied.__dict__["_stand_in_name"] = name
     copied.__dict__["_stand_in_dtype"] = dtype
-    copied.register_forward_pre_hook(_to_meta, with_kwargs=True)
-    copied.register_forward_hook(_to_zeros)
+    depth = [0]  # calls of the stand-in's modules in progress: only the outermost converts
+    for sub in copied.modules():  # the model may call a submodule directly (timm: ``self.patch_embed.proj(x)``)
+        sub.register_forward_pre_hook(partial(_to_meta, copied, depth), with_kwargs=True)
+        sub.register_forward_hook(partial(_to_zeros, copied, depth), always_call=True)
     return copied
 
 
@@ -75,13 +78,22 @@ def _follow_dtype(module: nn.Module) -> None:
     module.__dict__["_stand_in_dtype"] = dtype
 
 
-def _to_meta(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    _follow_dtype(module)
+def _to_meta(
+    root: nn.Module, depth: list[int], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]] | None:
+    depth[0] += 1
+    if depth[0] > 1:
+        return None
+    _follow_dtype(root)
     return tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
 
 
-def _to_zeros(module: nn.Module, args: Any, output: Any) -> Any:
-    device = getattr(module, _PROBE).device
+def _to_zeros(root: nn.Module, depth: list[int], module: nn.Module, args: Any, output: Any) -> Any:
+    depth[0] -= 1
+    if depth[0] or output is None:  # an inner call, or the forward raised (``always_call``)
+        depth[0] = max(depth[0], 0) if output is not None else 0
+        return None
+    device = getattr(root, _PROBE).device
 
     def zeros(t: torch.Tensor) -> torch.Tensor:
         # A leaf that requires grad where the real output does: code that checks it behaves as on one process.

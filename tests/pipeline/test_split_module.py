@@ -158,3 +158,51 @@ def test_a_stand_in_is_the_module_without_its_compute() -> None:
     assert holder.embeddings.patch_embeddings.projection.weight.dtype == torch.float64
     assert hidden.shape == (2, 9, 16) and hidden.dtype == torch.float64 and hidden.device.type == "cpu"
     assert mask.shape == (2, 16) and ids_restore.dtype == torch.int64
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_parameters_beside_the_blocks_go_to_the_stage_using_them(stages: int) -> None:
+    """timm's ``VisionTransformer`` holds ``cls_token`` and ``pos_embed`` beside its blocks: the first stage,
+    whose code uses them, holds them; the others keep a zero buffer of their name, in no state dict."""
+    from tests.strategies.model_families import TimmStyleViT
+
+    torch.manual_seed(0)
+    model, x = TimmStyleViT().double(), torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    reference(x).square().mean().backward()
+    copies = [copy.deepcopy(model) for _ in range(stages)]
+    parts = [partition(copies[r], r, stages, example_inputs=(x,)) for r in range(stages)]
+    activations: tuple[torch.Tensor, ...] = ()
+    for part in parts:
+        out = part(*activations, call=((x,), {}))
+        activations = out if isinstance(out, tuple) else ()
+    out.square().mean().backward()
+    grads = {n: p.grad for c in copies for n, p in c.named_parameters() if p.grad is not None}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)  # float64
+    assert {"cls_token", "pos_embed"} <= set(copies[0].state_dict())
+    assert not {"cls_token", "pos_embed"} & {n for c in copies[1:] for n in c.state_dict()}
+    assert copies[-1].cls_token.shape == (1, 1, 16) and "cls_token" in dict(copies[-1].named_buffers())
+    held = {n for c in copies for n in c.state_dict()}
+    assert held == set(model.state_dict())
+
+
+class _SharedBetweenBlocks(nn.Module):
+    """A projection with parameters called between the blocks (no stage could hold it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x) if i != 2 else self.mix(block(x))
+        return x
+
+
+def test_a_module_with_parameters_between_the_blocks_is_refused_at_setup() -> None:
+    with pytest.raises(
+        ValueError, match=r"_SharedBetweenBlocks: \['mix'\] run between the blocks of 'blocks'.*hai_ddp"
+    ):
+        partition(_SharedBetweenBlocks(), 0, 2, example_inputs=(torch.zeros(1, 4),))

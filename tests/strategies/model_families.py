@@ -1,5 +1,5 @@
 """Model families beyond decoder-only language models, as their users train them: tiny Hugging Face ViT,
-ViTMAE, T5 and BART built
+ViTMAE, T5, BART and a module with timm's ``VisionTransformer`` layout built
 from configs (no download), each wrapped in the LightningModule a user writes (``self.model(**batch).loss``),
 with dict batches, ``precision="64-true"`` (the model is built in float32 and Lightning converts it; the
 batches are float64), SGD with momentum 0.9, and the one-process reference they are compared with.
@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import (
@@ -71,6 +72,60 @@ def text_rows(rows: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": x[i], "labels": y[i]} for i in range(rows)]
 
 
+class _TimmBlock(nn.Module):
+    """timm's ViT ``Block``: pre-norm attention and MLP, residual adds."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(b, n, 3, 2, c // 2).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c))
+        return x + self.mlp(self.norm2(x))
+
+
+class TimmStyleViT(nn.Module):
+    """timm's ``VisionTransformer`` layout: ``cls_token`` and ``pos_embed`` held by the model itself, beside
+    ``patch_embed`` and the ``blocks`` Sequential, and used by its own ``_pos_embed`` before the blocks."""
+
+    def __init__(self, dim: int = 16, depth: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv2d(3, dim, kernel_size=4, stride=4)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, 5, dim) * 0.02)
+        self.blocks = nn.Sequential(*(_TimmBlock(dim) for _ in range(depth)))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed.proj(x).flatten(2).transpose(1, 2)
+        x = self.norm(self.blocks(self._pos_embed(x)))
+        return self.head(x[:, 0])
+
+
+def timm_vit() -> nn.Module:
+    """timm's own ``VisionTransformer`` (the test using it skips where timm is not installed)."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(img_size=8, patch_size=4, num_classes=3, embed_dim=16, depth=4, num_heads=2, mlp_ratio=2)
+
+
+def logits_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """timm's users compute the loss in the step from the model's logits."""
+    return F.cross_entropy(model(batch["pixel_values"]), batch["labels"])
+
+
+def hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
 def _images(rows: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, 3, 8, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
@@ -88,12 +143,15 @@ def mae_rows(rows: int) -> list[dict[str, torch.Tensor]]:
     return [{"pixel_values": x[i], "noise": noise[i]} for i in range(rows)]
 
 
-MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], list[dict[str, torch.Tensor]]]]] = {
-    "vit": (vit, vit_rows),
-    "vit_mae": (vit_mae, mae_rows),
-    "t5": (t5, text_rows),
-    "bart": (bart, text_rows),
+Rows = Callable[[int], list[dict[str, torch.Tensor]]]
+MODELS: dict[str, tuple[Callable[[], nn.Module], Rows, Callable[[nn.Module, dict], torch.Tensor]]] = {
+    "vit": (vit, vit_rows, hf_loss),
+    "vit_mae": (vit_mae, mae_rows, hf_loss),
+    "t5": (t5, text_rows, hf_loss),
+    "bart": (bart, text_rows, hf_loss),
+    "timm_style": (TimmStyleViT, vit_rows, logits_loss),
 }
+OPTIONAL = {"timm": (timm_vit, vit_rows, logits_loss)}  # needs timm installed
 TIED = {  # names of one parameter, which several stages hold
     "t5": ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"),
     "bart": ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
@@ -102,14 +160,14 @@ TIED = {  # names of one parameter, which several stages hold
 
 
 class LitModel(L.LightningModule):
-    """The user's module: the model computes its own loss from the batch's keywords."""
+    """The user's module: ``self.model(**batch).loss``, or the loss of the model's logits."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, loss: Callable[[nn.Module, dict], torch.Tensor]) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.loss = model, loss
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
+        loss = self.loss(self.model, batch)
         self.log("train_loss", loss)
         return loss
 
@@ -120,7 +178,7 @@ class LitModel(L.LightningModule):
 def build(name: str) -> nn.Module:
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    return MODELS[name][0]()
+    return {**MODELS, **OPTIONAL}[name][0]()
 
 
 def _stack(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -129,12 +187,12 @@ def _stack(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 def one_process(name: str, dp: int = 1) -> dict[str, torch.Tensor]:
     """The reference: ``dp`` replicas' batches of a step are one batch of ``dp * BATCH`` rows here."""
-    model = build(name).double()
+    model, (_, make_rows, loss) = build(name).double(), {**MODELS, **OPTIONAL}[name]
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    rows, data = BATCH * dp, MODELS[name][1](BATCH * dp * STEPS)
+    rows, data = BATCH * dp, make_rows(BATCH * dp * STEPS)
     for step in range(STEPS):
         optimizer.zero_grad()
-        model(**_stack(data[step * rows : (step + 1) * rows])).loss.backward()
+        loss(model, _stack(data[step * rows : (step + 1) * rows])).backward()
         optimizer.step()
     return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -146,9 +204,10 @@ def fit(name: str, strategy: Any, dp: int = 1, dp_rank: int = 0) -> L.Trainer:
         precision="64-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    data = MODELS[name][1](BATCH * dp * STEPS)
+    _, make_rows, loss = {**MODELS, **OPTIONAL}[name]
+    data = make_rows(BATCH * dp * STEPS)
     sampler = DistributedSampler(data, num_replicas=dp, rank=dp_rank, shuffle=False)
-    trainer.fit(LitModel(build(name)), DataLoader(data, batch_size=BATCH, sampler=sampler))
+    trainer.fit(LitModel(build(name), loss), DataLoader(data, batch_size=BATCH, sampler=sampler))
     return trainer
 
 

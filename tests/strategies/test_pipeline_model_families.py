@@ -3,7 +3,8 @@ against one process (see ``model_families``).
 
 HF's ``ViTModel.forward`` reads ``self.embeddings.patch_embeddings.projection.weight.dtype`` on every stage,
 ViTMAE's embeddings return a tuple whose random mask and restore indices its loss reads on the last stage,
-T5's and BART's decoder blocks take the encoder's output (and T5's a position bias the first block computes),
+timm's ``VisionTransformer`` keeps ``cls_token`` and ``pos_embed`` beside its blocks, T5's and BART's
+decoder blocks take the encoder's output (and T5's a position bias the first block computes),
 their embedding is tied to the head across stages, and Lightning converts the float32 model to float64 after
 the user built it: each model must train to one process's numbers, its tied copies must stay equal, and its
 full checkpoint must load strictly into a fresh model.
@@ -27,8 +28,8 @@ def _schedules(pp_size: int) -> dict:
     }
 
 
-def _every_model_and_schedule(rank: int, world: int) -> None:
-    for name in MODELS:
+def _every_model_and_schedule(rank: int, world: int, names: tuple[str, ...] = tuple(MODELS)) -> None:
+    for name in names:
         expected = one_process(name)
         for label, strategy in _schedules(world).items():
             trainer = fit(name, strategy)
@@ -50,3 +51,10 @@ def test_model_families_train_unmodified_like_one_process() -> None:
 @pytest.mark.slow  # 4 ranks on 2 loaded cores
 def test_model_families_train_data_parallel_pipelines_like_one_process() -> None:
     run_distributed(_dp_x_pp, 4, timeout=900)
+
+
+def test_timms_vision_transformer_trains_like_one_process() -> None:
+    """timm's own ``VisionTransformer`` (``cls_token`` and ``pos_embed`` beside its blocks), where timm is
+    installed (the tests above use a module of its layout)."""
+    pytest.importorskip("timm")
+    run_distributed(_every_model_and_schedule, 2, ("timm",), timeout=600)
