@@ -6,8 +6,8 @@ in turn: keyword arguments, masks, position ids and the loss from ``labels=``. T
 graph (``torch.export``, as ``torch.distributed.pipelining`` does) fails on much of it (data-dependent mask
 checks, caches, Python control flow). So the module is not traced: every stage keeps the user's module and
 runs its own ``forward`` as written, with the blocks list holding only that stage's blocks (see
-``pipeline.module_stage``). A stage boundary is a boundary between two blocks of the list: the activation
-that crosses it is the residual stream, the one tensor a block returns and the next block takes first.
+``pipeline.module_stage``). A stage boundary is a boundary between two blocks of the list: what crosses it
+is every tensor the next block takes (see ``pipeline.boundary``).
 
 A plan says which blocks each stage runs and where the other modules with parameters go: the ones that run
 before the blocks (embeddings) to the first stage, the ones after them (final norm, head) to the last. Which

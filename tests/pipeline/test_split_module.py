@@ -206,3 +206,23 @@ def test_a_module_with_parameters_between_the_blocks_is_refused_at_setup() -> No
         ValueError, match=r"_SharedBetweenBlocks: \['mix'\] run between the blocks of 'blocks'.*hai_ddp"
     ):
         partition(_SharedBetweenBlocks(), 0, 2, example_inputs=(torch.zeros(1, 4),))
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+@pytest.mark.parametrize("cut", ["decoder", "encoder"])
+def test_an_encoder_decoder_model_is_cut_in_either_block_list(name: str, cut: str) -> None:
+    """By default the decoder's blocks (the largest list) are cut and the encoder runs on the first stage; with
+    ``split_points`` in the encoder, the decoder runs on the last. Chained stages give the model's loss."""
+    from tests.strategies.model_families import MODELS
+    from tests.strategies.model_families import build as build_family
+
+    model = build_family(name).double()
+    rows = MODELS[name][1](2)
+    call = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    expected = model(**call).loss
+    prefix = "" if name == "t5" else "model."
+    points = None if cut == "decoder" else [f"{prefix}encoder.{'block' if name == 't5' else 'layers'}.1"]
+    copies = [copy.deepcopy(model) for _ in range(2)]
+    parts = [partition(c, r, 2, split_points=points, example_kwargs=call) for r, c in enumerate(copies)]
+    out = parts[1](*parts[0](call=((), call)), call=((), call))
+    assert torch.equal(out.loss, expected)
