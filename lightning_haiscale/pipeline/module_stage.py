@@ -68,15 +68,18 @@ class ModuleStage(nn.Module):
         self.held_params = nn.ParameterDict(
             {n.replace(".", "/"): module.get_parameter(n) for n in plan.held_params(stage)}
         )
-        self.stage, self.num_stages, self.blocks_name = stage, plan.num_stages, plan.blocks
+        self.stage, self.num_stages, self.lists = stage, plan.num_stages, plan.block_lists
         self.first = plan.first
-        block_list = module.get_submodule(plan.blocks)
-        self.__dict__["own_blocks"] = OrderedDict((k, block_list._modules[k]) for k in plan.stage_blocks[stage])
+        own: dict[str, OrderedDict[str, nn.Module]] = {name: OrderedDict() for name in self.lists}
+        for block in plan.stage_blocks[stage]:
+            name, _, key = block.rpartition(".")
+            own[name][key] = module.get_submodule(name)._modules[key]
+        self.__dict__["own_blocks"] = own
         self.__dict__["boundary"] = None  # a stand-in of the next stage's first block, where the call ends
         if stage < plan.num_stages - 1:
-            key = plan.stage_blocks[stage + 1][0]
-            self.boundary_key = key
-            self.__dict__["boundary"] = stand_in(block_list._modules[key], f"{plan.blocks}.{key}")
+            block = plan.stage_blocks[stage + 1][0]
+            self.boundary_at = block.rpartition(".")[::2]  # (list, key)
+            self.__dict__["boundary"] = stand_in(module.get_submodule(block), block)
         self.ties = list(ties)
 
     def local_ties(self) -> dict[Tie, nn.Parameter]:
@@ -91,24 +94,28 @@ class ModuleStage(nn.Module):
     def forward(self, *activations: torch.Tensor, call: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
         args, kwargs = call
         run = _Run(Received(activations, self.stage) if self.stage > 0 else None)
-        block_list = self.network.get_submodule(self.blocks_name)
-        at_rest = block_list._modules
-        running = OrderedDict(self.own_blocks)
-        handles = [b.register_forward_pre_hook(partial(_enter, run), with_kwargs=True) for b in running.values()]
+        block_lists = {name: self.network.get_submodule(name) for name in self.lists}
+        at_rest = {name: block_list._modules for name, block_list in block_lists.items()}
+        running = {name: OrderedDict(blocks) for name, blocks in self.own_blocks.items()}
+        enter = partial(_enter, run)
+        handles = [b.register_forward_pre_hook(enter, with_kwargs=True) for r in running.values() for b in r.values()]
         for name in self.first:
             handles.append(self.network.get_submodule(name).register_forward_hook(partial(_carry, run, name)))
         if self.boundary is not None:
-            running[self.boundary_key] = self.boundary
+            name, key = self.boundary_at
+            running[name][key] = self.boundary
             leave = partial(_leave, run)
             handles.append(self.boundary.register_forward_pre_hook(leave, with_kwargs=True, prepend=True))
-        block_list.__dict__["_modules"] = running
+        for name, block_list in block_lists.items():
+            block_list.__dict__["_modules"] = running[name]
         try:
             return type(self.network).forward(self.network, *args, **kwargs)  # the class's: see the step's stand-in
         except StageOutput as out:
             device = out.tensors[0].device if out.tensors else _device(self)
             return (describe(len(run.carried), out.paths, device), *run.carried, *out.tensors)
         finally:
-            block_list.__dict__["_modules"] = at_rest
+            for name, block_list in block_lists.items():
+                block_list.__dict__["_modules"] = at_rest[name]
             for handle in handles:
                 handle.remove()
 
@@ -122,10 +129,11 @@ def split_module(module: nn.Module, plan: SplitPlan, stages: Sequence[int]) -> l
     ties = plan.ties(module)
     parts = [ModuleStage(module, plan, s, ties) for s in stages]
     held = {name for s in stages for name in plan.held_modules(s)}
-    block_list = module.get_submodule(plan.blocks)
-    kept = OrderedDict((k, b) for k, b in block_list._modules.items() if f"{plan.blocks}.{k}" in held)
-    block_list.__dict__["_modules"] = kept
-    for name in (*plan.first, *plan.last):
+    for list_name in plan.block_lists:
+        block_list = module.get_submodule(list_name)
+        kept = OrderedDict((k, b) for k, b in block_list._modules.items() if f"{list_name}.{k}" in held)
+        block_list.__dict__["_modules"] = kept
+    for name in (*plan.first, *plan.last, *(u for u, _ in plan.placed)):
         if name not in held:
             parent, _, child = name.rpartition(".")
             owner = module.get_submodule(parent) if parent else module

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_haiscale.pipeline import PipeDream, partition
-from lightning_haiscale.pipeline.split import call_order, find_blocks, plan_split
+from lightning_haiscale.pipeline.split import call_order, find_blocks, plan_split, trace_module
 from lightning_haiscale.pipeline.stand_in import is_stand_in, stand_in
 from tests.strategies.real_models import LitGPTStyle, build, gpt2, llama, tokens
 
@@ -30,7 +30,8 @@ def test_find_blocks_finds_each_models_block_list() -> None:
 def test_split_points_name_where_stages_begin() -> None:
     model = build(gpt2)
     plan = plan_split(model, 3, split_points=["transformer.h.1", "transformer.h.5"])
-    assert plan.stage_blocks == (("0",), ("1", "2", "3", "4"), ("5", "6", "7"))
+    h = [f"transformer.h.{i}" for i in range(8)]
+    assert plan.stage_blocks == (tuple(h[:1]), tuple(h[1:5]), tuple(h[5:]))
     assert plan.first == ("transformer.wte", "transformer.wpe") and plan.last == ("transformer.ln_f", "lm_head")
     (tie,) = plan.ties(model)
     assert tie.stages == (0, 2) and tie.names == ("transformer.wte.weight", "lm_head.weight")
@@ -208,11 +209,28 @@ def test_a_module_with_parameters_between_the_blocks_is_refused_at_setup() -> No
         partition(_SharedBetweenBlocks(), 0, 2, example_inputs=(torch.zeros(1, 4),))
 
 
+def test_an_encoder_decoders_block_lists_are_cut_as_one_sequence() -> None:
+    """T5 runs its encoder's blocks, then its decoder's: one sequence of stages, the encoder's final norm and
+    the decoder's embedding on the stage that runs them (between the two lists)."""
+    from tests.strategies.model_families import MODELS
+    from tests.strategies.model_families import build as build_family
+
+    model = build_family("t5").double()
+    rows = MODELS["t5"][1](2)
+    trace = trace_module(model, "decoder.block", (), {k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+    assert trace.lists == ["encoder.block", "decoder.block"]
+    plan = plan_split(model, 4, trace=trace, balance=[2, 1, 1, 2])
+    assert plan.stage_blocks[0] == ("encoder.block.0", "encoder.block.1") and plan.stage_blocks[1] == (
+        "decoder.block.0",)  # fmt: skip
+    assert dict(plan.placed) == {"encoder.final_layer_norm": 0, "decoder.embed_tokens": 0}
+    assert plan.first == ("encoder.embed_tokens",) and plan.last == ("shared", "decoder.final_layer_norm", "lm_head")
+
+
 @pytest.mark.parametrize("name", ["t5", "bart"])
-@pytest.mark.parametrize("cut", ["decoder", "encoder"])
-def test_an_encoder_decoder_model_is_cut_in_either_block_list(name: str, cut: str) -> None:
-    """By default the decoder's blocks (the largest list) are cut and the encoder runs on the first stage; with
-    ``split_points`` in the encoder, the decoder runs on the last. Chained stages give the model's loss."""
+@pytest.mark.parametrize("cut", ["balanced", "encoder", "decoder"])
+def test_an_encoder_decoder_model_is_cut_anywhere_in_its_sequence(name: str, cut: str) -> None:
+    """Balanced over both lists, or at a split point in the encoder or in the decoder: chained stages (2 and 4,
+    and 2 ranks of 2 chunks) give the model's loss."""
     from tests.strategies.model_families import MODELS
     from tests.strategies.model_families import build as build_family
 
@@ -220,9 +238,16 @@ def test_an_encoder_decoder_model_is_cut_in_either_block_list(name: str, cut: st
     rows = MODELS[name][1](2)
     call = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
     expected = model(**call).loss
-    prefix = "" if name == "t5" else "model."
-    points = None if cut == "decoder" else [f"{prefix}encoder.{'block' if name == 't5' else 'layers'}.1"]
-    copies = [copy.deepcopy(model) for _ in range(2)]
-    parts = [partition(c, r, 2, split_points=points, example_kwargs=call) for r, c in enumerate(copies)]
-    out = parts[1](*parts[0](call=((), call)), call=((), call))
-    assert torch.equal(out.loss, expected)
+    lists = {"t5": ("encoder.block", "decoder.block"), "bart": ("model.encoder.layers", "model.decoder.layers")}
+    points = {"balanced": None, "encoder": [f"{lists[name][0]}.1"], "decoder": [f"{lists[name][1]}.2"]}[cut]
+    for ranks, chunks in [(2, 1), (2, 2), (4, 1)] if points is None else [(2, 1)]:
+        copies = [copy.deepcopy(model) for _ in range(ranks)]
+        parts = {}
+        for r, c in enumerate(copies):
+            got = partition(c, r, ranks, num_model_chunks=chunks, split_points=points, example_kwargs=call)
+            parts.update({r + i * ranks: p for i, p in enumerate(got if isinstance(got, list) else [got])})
+        activations: tuple[torch.Tensor, ...] = ()
+        for s in range(ranks * chunks):
+            out = parts[s](*activations, call=((), call))
+            activations = out if isinstance(out, tuple) else ()
+        assert torch.equal(out.loss, expected), (ranks, chunks)
