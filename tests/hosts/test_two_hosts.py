@@ -35,6 +35,7 @@ _ENGINES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(_ENGINES))
 def test_one_host_name_on_two_hosts_trains_like_one_process(two_hosts: TwoHosts, strategy: str) -> None:
     """Containers from one image often share a host name: the engine must still see two hosts."""
