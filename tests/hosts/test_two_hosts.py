@@ -48,8 +48,10 @@ def test_one_host_name_on_two_hosts_trains_like_one_process(two_hosts: TwoHosts,
     _no_segment_left(two_hosts)
 
 
-def _survivors_name_the_lost_host(two_hosts: TwoHosts, lose: str) -> list[float]:
-    two_hosts.start(["loop"], names=["a", "b"], env={"JOB_TIMEOUT_S": str(_JOB_S)})
+def _survivors_name_the_lost_host(
+    two_hosts: TwoHosts, lose: str, phase: str = "engine", timeout: float = _JOB_S
+) -> list[float]:
+    two_hosts.start(["loop", phase], names=["a", "b"], env={"JOB_TIMEOUT_S": str(timeout)})
     two_hosts.wait_for([f"ready{r}" for r in range(4)], _JOB_S)
     lost = time.time()
     getattr(two_hosts.hosts[1], lose)()
@@ -57,7 +59,7 @@ def _survivors_name_the_lost_host(two_hosts: TwoHosts, lose: str) -> list[float]
     assert codes[0] not in (0, None), two_hosts.logs()
     records = _records(two_hosts, (0, 1))
     for record in records.values():
-        assert "HFReduce" in record["error"] and record["hosts"] == 2, record
+        assert ("HFReduce" in record["error"] or phase != "engine") and record["hosts"] == 2, record
     _no_segment_left(two_hosts)
     return [r["at"] - lost for r in records.values()]
 
@@ -86,3 +88,13 @@ def test_one_node_id_on_two_hosts_fails_at_once_naming_it(two_hosts: TwoHosts) -
     print(f"one HFREDUCE_NODE_ID on two hosts: raised after {max(delays):.2f} s")
     assert max(delays) < 5, records
     _no_segment_left(two_hosts)
+
+
+def test_a_silent_host_during_a_barrier_is_named_in_seconds_and_ends_at_the_timeout(two_hosts: TwoHosts) -> None:
+    """Outside the engine (gloo's barrier, as a checkpoint's), the survivors' logs name the silent rank within
+    seconds, and the wait ends at the process group's timeout (the strategy's), then the process exits."""
+    timeout = 25.0
+    delays = _survivors_name_the_lost_host(two_hosts, "drop_link", phase="barrier", timeout=timeout)
+    print(f"silent host during a barrier: ended after {max(delays):.2f} s (timeout {timeout} s)")
+    assert timeout - 1 < max(delays) < timeout + 30, delays
+    assert "is silent: no heartbeat for" in two_hosts.logs(), two_hosts.logs()
