@@ -18,7 +18,7 @@ from tests.hosts.conftest import TwoHosts
 _JOB_S = 240  # a loaded 2-core machine starts 6 Python processes with torch and Lightning
 
 
-def _records(two_hosts: TwoHosts, ranks: range | tuple = range(4)) -> dict[int, dict]:
+def _records(two_hosts: TwoHosts, ranks: range | list = range(4)) -> dict[int, dict]:
     return {r: json.loads((two_hosts.out / f"{r}.json").read_text()) for r in ranks}
 
 
@@ -57,7 +57,9 @@ def _survivors_name_the_lost_host(
     getattr(two_hosts.hosts[1], lose)()
     codes = two_hosts.wait(_JOB_S, hosts=[0])  # the lost host is killed at teardown
     assert codes[0] not in (0, None), two_hosts.logs()
-    records = _records(two_hosts, (0, 1))
+    # torchrun ends a host's other ranks once one has failed: the first survivor to raise always records
+    records = _records(two_hosts, [r for r in (0, 1) if (two_hosts.out / f"{r}.json").exists()])
+    assert records, two_hosts.logs()
     for record in records.values():
         assert ("HFReduce" in record["error"] or phase != "engine") and record["hosts"] == 2, record
     _no_segment_left(two_hosts)
