@@ -129,7 +129,8 @@ def _gather(mine: object, group: dist.ProcessGroup) -> list:
 
 
 def _write_probe() -> str | None:
-    name = f"lhs-probe-{os.getpid()}-{secrets.token_hex(8)}"  # pid: whose it was, if one ever leaks
+    # hidden, and not "lhs-*": not taken for a segment while it briefly exists; pid: whose it was, if one leaks
+    name = f".lhs-probe-{os.getpid()}-{secrets.token_hex(8)}"
     try:
         os.close(os.open(f"{SHM_DIR}/{name}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except OSError:  # no writable /dev/shm: the engine cannot run here either, and says so later

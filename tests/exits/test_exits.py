@@ -39,11 +39,13 @@ def _no_failed_exit(args: list[str], cwd: Path) -> None:
     assert not failed, f"{len(failed)} of {RUNS} runs exited non-zero; the first:\n{failed[0]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("api", "strategy"), CASES)
 def test_script_exits_0(api: str, strategy: str, tmp_path: Path) -> None:
     _no_failed_exit([str(ROOT / "tests/exits/exit_job.py"), api, strategy], tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "pipeline"])
 def test_plain_example_exits_0(name: str, tmp_path: Path) -> None:
     _no_failed_exit(["-m", f"examples.plain.{name}"], tmp_path)

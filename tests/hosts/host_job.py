@@ -2,8 +2,9 @@
 
 ``fit <strategy>``: ``hai_ddp`` or ``hai_fsdp_hybrid`` (``HYBRID_SHARD``) trains the parity Classifier in
 float64 (``precision="64-true"``); each rank records its engines' ranks and backends, rank 0 the weights.
-``loop``: all-reduces through a Communicator until a collective fails, after writing ``ready<rank>``; the
-rank records the error, when it started its Communicator and when the error was raised, then exits 1."""
+``loop [engine|barrier]``: all-reduces through a Communicator (or calls ``dist.barrier()`` beside one) until
+it fails, after writing ``ready<rank>``; the rank records the error, when it started its Communicator and
+when the error was raised, then exits 1."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def fit(out: Path, strategy: str) -> None:
     _write(out, {"engines": record.seen, "weights": weights})
 
 
-def loop(out: Path) -> None:
+def loop(out: Path, phase: str = "engine") -> None:
     from lightning_haiscale.hfreduce import Communicator
 
     timeout = timedelta(seconds=float(os.environ["JOB_TIMEOUT_S"]))
@@ -61,8 +62,8 @@ def loop(out: Path) -> None:
         for _ in range(20):
             comm.all_reduce(tensor, op="avg")
         (out / f"ready{dist.get_rank()}").touch()
-        while True:
-            comm.all_reduce(tensor, op="avg")
+        while True:  # a collective of the engine, or a wait outside it (a checkpoint's barrier)
+            comm.all_reduce(tensor, op="avg") if phase == "engine" else dist.barrier()
     except Exception as error:
         message = f"{type(error).__name__}: {error}"
         _write(out, {"error": message, "at": time.time(), "started": started, "hosts": hosts})
