@@ -6,7 +6,7 @@
   runs it;
 - ``torch``: ``torch.distributed.pipelining.pipeline(model, split_spec={block: SplitPoint.BEGINNING})`` traces
   the same model and ``Schedule1F1B`` runs the same split, with the same loss in its ``loss_fn``. Where torch
-  cannot trace the model, the report gives its error instead of a figure.
+  cannot trace the model or run its step, the report gives its error instead of a figure.
 
 Models: ``ViTForImageClassification`` cut at ``vit.layers.<half>``, and ``T5ForConditionalGeneration`` cut at
 ``decoder.block.<half>`` (our first stage runs the whole encoder and the decoder's first half, as torch's
@@ -115,22 +115,25 @@ def _torch_inputs(model: nn.Module, name: str, batch: dict[str, torch.Tensor]) -
 
 
 def _run(args: argparse.Namespace, name: str, rank: int, impl: str) -> float | str:
+    """The median step time, or the error that stopped the implementation (tracing or its first step: both
+    ranks fail there alike, or the peer's receive ends with the group's timeout), as the report gives it."""
     try:
         params, step = {"ours": _ours, "torch": _torch}[impl](args, name, rank)
-    except Exception as error:  # every rank traces alike, so every rank fails alike: the report says why
+        _, _, batch = _build(args, name)
+        optimizer = torch.optim.SGD(params, lr=1e-3)
+        times = []
+        for i in range(args.warmup + args.steps):
+            dist.barrier()
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            step(batch)
+            optimizer.step()
+            dist.barrier()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+    except Exception as error:
+        dist.barrier()
         return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-    _, _, batch = _build(args, name)
-    optimizer = torch.optim.SGD(params, lr=1e-3)
-    times = []
-    for i in range(args.warmup + args.steps):
-        dist.barrier()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        step(batch)
-        optimizer.step()
-        dist.barrier()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
@@ -140,6 +143,17 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[s
     for name in args.models.split(","):
         for impl in ORDER:
             runs.setdefault(name, {}).setdefault(impl, []).append(_run(args, name, rank, impl))
+    return runs
+
+
+def _merged(ranks: list[dict[str, dict[str, list[Any]]]], name: str) -> dict[str, list[Any]]:
+    """Rank 0's times; for a failed implementation, the rank whose error is its own (not its peer's closed
+    connection)."""
+    runs = dict(ranks[0][name])
+    for impl in list(runs):
+        errors = [r[name][impl][0] for r in ranks if isinstance(r[name][impl][0], str)]
+        if errors:
+            runs[impl] = [next((e for e in errors if "closed by peer" not in e), errors[0])]
     return runs
 
 
@@ -174,8 +188,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     out, args.json = args.json, None
-    runs = run_distributed(_worker, 2, args, timeout=3600)[0]
-    report = {"config": vars(args), **{name: _summary(args, r) for name, r in runs.items()}}
+    ranks = run_distributed(_worker, 2, args, timeout=3600)
+    report = {"config": vars(args), **{name: _summary(args, _merged(ranks, name)) for name in ranks[0]}}
     print(json.dumps(report, indent=1))
     if out:
         with open(out, "w") as sink:

@@ -278,3 +278,18 @@ def test_a_masked_autoencoders_decoder_blocks_continue_the_sequence() -> None:
         activations = out if isinstance(out, tuple) else ()
     assert torch.equal(out.loss, expected)
     assert "decoder.mask_token" in copies[1].state_dict() and "decoder.mask_token" not in copies[2].state_dict()
+
+
+class _ReadsValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * float(self.proj.weight.detach().abs().max())  # reads a value: impossible on meta
+
+
+def test_a_stand_in_that_cannot_run_on_meta_names_the_module_and_the_fix() -> None:
+    stand = stand_in(_ReadsValues(), "model.embed")
+    with pytest.raises(RuntimeError, match=r"model.embed \(_ReadsValues\) is held by another pipeline stage.*hai_ddp"):
+        stand(torch.zeros(2, 4))
