@@ -10,8 +10,9 @@
 
 Models: ``ViTForImageClassification`` cut at ``vit.layers.<half>``, and ``T5ForConditionalGeneration`` cut at
 ``decoder.block.<half>`` (our first stage runs the whole encoder and the decoder's first half, as torch's
-split does). Each implementation runs twice, in the order ours, torch, torch, ours, on a freshly built model;
-its figure is the mean of its two median step times (the spread of its two runs is the run's noise).
+split does). Each implementation runs twice, in the order ours, torch, torch, ours, each time in a fresh pair
+of processes on a freshly built model; its figure is the mean of its two median step times (the spread of its
+two runs is the run's noise).
 """
 
 from __future__ import annotations
@@ -131,37 +132,32 @@ def _run(args: argparse.Namespace, name: str, rank: int, impl: str) -> float | s
             dist.barrier()
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
-    except Exception as error:
-        dist.barrier()
+    except Exception as error:  # the pair of processes ends here: a failed transfer leaves its group unusable
         return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
     return statistics.median(times)
 
 
-def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[str, list[Any]]]:
+def _worker(rank: int, world: int, args: argparse.Namespace, name: str, impl: str) -> float | str:
     torch.set_num_threads(args.threads)
-    runs: dict[str, dict[str, list[Any]]] = {}
-    for name in args.models.split(","):
-        for impl in ORDER:
-            runs.setdefault(name, {}).setdefault(impl, []).append(_run(args, name, rank, impl))
-    return runs
+    return _run(args, name, rank, impl)
 
 
-def _merged(ranks: list[dict[str, dict[str, list[Any]]]], name: str) -> dict[str, list[Any]]:
-    """Rank 0's times; for a failed implementation, the rank whose error is its own (not its peer's closed
-    connection)."""
-    runs = dict(ranks[0][name])
-    for impl in list(runs):
-        errors = [r[name][impl][0] for r in ranks if isinstance(r[name][impl][0], str)]
-        if errors:
-            runs[impl] = [next((e for e in errors if "closed by peer" not in e), errors[0])]
-    return runs
+def _one_run(args: argparse.Namespace, name: str, impl: str) -> float | str:
+    """One implementation's run in a fresh pair of processes; a failure's error from the rank whose own it is
+    (not its peer's closed connection)."""
+    results = run_distributed(_worker, 2, args, name, impl, timeout=1800)
+    errors = [r for r in results if isinstance(r, str)]
+    if errors:
+        return next((e for e in errors if "by peer" not in e), errors[0])
+    return results[0]
 
 
 def _summary(args: argparse.Namespace, runs: dict[str, list[Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for impl, values in runs.items():
-        if isinstance(values[0], str):
-            out[impl] = {"error": values[0]}
+        errors = [v for v in values if isinstance(v, str)]
+        if errors:
+            out[impl] = {"error": errors[0]}
         else:
             out[impl] = {"samples_per_s": args.batch / statistics.mean(values),
                          "spread": abs(values[0] - values[1]) / statistics.mean(values)}  # fmt: skip
@@ -188,8 +184,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     out, args.json = args.json, None
-    ranks = run_distributed(_worker, 2, args, timeout=3600)
-    report = {"config": vars(args), **{name: _summary(args, _merged(ranks, name)) for name in ranks[0]}}
+    report: dict[str, Any] = {"config": vars(args)}
+    for name in args.models.split(","):
+        runs: dict[str, list[Any]] = {}
+        for impl in ORDER:
+            runs.setdefault(impl, []).append(_one_run(args, name, impl))
+        report[name] = _summary(args, runs)
     print(json.dumps(report, indent=1))
     if out:
         with open(out, "w") as sink:
