@@ -6,12 +6,13 @@
   runs it;
 - ``torch``: ``torch.distributed.pipelining.pipeline(model, split_spec={block: SplitPoint.BEGINNING})`` traces
   the same model and ``Schedule1F1B`` runs the same split, with the same loss in its ``loss_fn``. Where torch
-  cannot trace the model, the report gives its error instead of a figure.
+  cannot trace the model or run its step, the report gives its error instead of a figure.
 
 Models: ``ViTForImageClassification`` cut at ``vit.layers.<half>``, and ``T5ForConditionalGeneration`` cut at
 ``decoder.block.<half>`` (our first stage runs the whole encoder and the decoder's first half, as torch's
-split does). Each implementation runs twice, in the order ours, torch, torch, ours, on a freshly built model;
-its figure is the mean of its two median step times (the spread of its two runs is the run's noise).
+split does). Each implementation runs twice, in the order ours, torch, torch, ours, each time in a fresh pair
+of processes on a freshly built model; its figure is the mean of its two median step times (the spread of its
+two runs is the run's noise).
 """
 
 from __future__ import annotations
@@ -115,39 +116,48 @@ def _torch_inputs(model: nn.Module, name: str, batch: dict[str, torch.Tensor]) -
 
 
 def _run(args: argparse.Namespace, name: str, rank: int, impl: str) -> float | str:
+    """The median step time, or the error that stopped the implementation (tracing or its first step: both
+    ranks fail there alike, or the peer's receive ends with the group's timeout), as the report gives it."""
     try:
         params, step = {"ours": _ours, "torch": _torch}[impl](args, name, rank)
-    except Exception as error:  # every rank traces alike, so every rank fails alike: the report says why
+        _, _, batch = _build(args, name)
+        optimizer = torch.optim.SGD(params, lr=1e-3)
+        times = []
+        for i in range(args.warmup + args.steps):
+            dist.barrier()
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            step(batch)
+            optimizer.step()
+            dist.barrier()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+    except Exception as error:  # the pair of processes ends here: a failed transfer leaves its group unusable
         return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-    _, _, batch = _build(args, name)
-    optimizer = torch.optim.SGD(params, lr=1e-3)
-    times = []
-    for i in range(args.warmup + args.steps):
-        dist.barrier()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        step(batch)
-        optimizer.step()
-        dist.barrier()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[str, list[Any]]]:
+def _worker(rank: int, world: int, args: argparse.Namespace, name: str, impl: str) -> float | str:
     torch.set_num_threads(args.threads)
-    runs: dict[str, dict[str, list[Any]]] = {}
-    for name in args.models.split(","):
-        for impl in ORDER:
-            runs.setdefault(name, {}).setdefault(impl, []).append(_run(args, name, rank, impl))
-    return runs
+    return _run(args, name, rank, impl)
+
+
+def _one_run(args: argparse.Namespace, name: str, impl: str) -> float | str:
+    """One implementation's run in a fresh pair of processes; a failure's error from the rank whose own it is
+    (not its peer's closed connection)."""
+    results = run_distributed(_worker, 2, args, name, impl, timeout=1800)
+    errors = [r for r in results if isinstance(r, str)]
+    if errors:
+        return next((e for e in errors if "by peer" not in e), errors[0])
+    return results[0]
 
 
 def _summary(args: argparse.Namespace, runs: dict[str, list[Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for impl, values in runs.items():
-        if isinstance(values[0], str):
-            out[impl] = {"error": values[0]}
+        errors = [v for v in values if isinstance(v, str)]
+        if errors:
+            out[impl] = {"error": errors[0]}
         else:
             out[impl] = {"samples_per_s": args.batch / statistics.mean(values),
                          "spread": abs(values[0] - values[1]) / statistics.mean(values)}  # fmt: skip
@@ -174,8 +184,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     out, args.json = args.json, None
-    runs = run_distributed(_worker, 2, args, timeout=3600)[0]
-    report = {"config": vars(args), **{name: _summary(args, r) for name, r in runs.items()}}
+    report: dict[str, Any] = {"config": vars(args)}
+    for name in args.models.split(","):
+        runs: dict[str, list[Any]] = {}
+        for impl in ORDER:
+            runs.setdefault(impl, []).append(_one_run(args, name, impl))
+        report[name] = _summary(args, runs)
     print(json.dumps(report, indent=1))
     if out:
         with open(out, "w") as sink:

@@ -139,7 +139,7 @@ def split_module(module: nn.Module, plan: SplitPlan, stages: Sequence[int]) -> l
             owner = module.get_submodule(parent) if parent else module
             setattr(owner, child, stand_in(owner.get_submodule(child), name))
     held_params = {name for s in stages for name in plan.held_params(s)}
-    for name in (*plan.first_params, *plan.last_params):
+    for name in (*plan.first_params, *plan.last_params, *(p for p, _ in plan.placed_params)):
         if name not in held_params:  # see [Note: parameters beside the blocks] in ``pipeline.split``
             parent, _, child = name.rpartition(".")
             owner = module.get_submodule(parent) if parent else module

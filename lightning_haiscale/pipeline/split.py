@@ -33,7 +33,7 @@ from torch import nn
 
 from lightning_haiscale.pipeline.balance import balanced_counts
 from lightning_haiscale.pipeline.ties import Tie, find_ties
-from lightning_haiscale.pipeline.trace import Trace, trace_call
+from lightning_haiscale.pipeline.trace import Trace, candidate_lists, trace_call
 
 __all__ = ["SplitPlan", "call_order", "find_blocks", "plan_split", "trace_module"]
 
@@ -51,6 +51,7 @@ class SplitPlan:
     last_params: tuple[str, ...] = ()
     lists: tuple[str, ...] = ()  # every block list cut, in call order (see ``pipeline.trace``); () = (blocks,)
     placed: tuple[tuple[str, int], ...] = ()  # modules run between two lists, with the stage running them
+    placed_params: tuple[tuple[str, int], ...] = ()  # parameters beside the blocks used between two lists
 
     @property
     def num_stages(self) -> int:
@@ -71,7 +72,8 @@ class SplitPlan:
 
     def held_params(self, stage: int) -> list[str]:
         """The names of the parameters beside the blocks that stage ``stage`` holds."""
-        return [*(self.first_params if stage == 0 else ()), *(self.last_params if stage == self.num_stages - 1 else ())]
+        first, last = self.first_params if stage == 0 else (), self.last_params if stage == self.num_stages - 1 else ()
+        return [*first, *(p for p, s in self.placed_params if s == stage), *last]
 
     def ties(self, module: nn.Module) -> list[Tie]:
         """The parameters several stages hold (a tied embedding and head), by identity."""
@@ -120,7 +122,7 @@ def trace_module(module: nn.Module, blocks: str, args: tuple[Any, ...], kwargs: 
     Runs the module once without gradients (on a microbatch: every rank, the same call), so every rank
     refuses alike a module with parameters that runs between the blocks of a list (no stage could run it).
     """
-    _, params = _outside_units(module, [blocks])
+    _, params = _outside_units(module, candidate_lists(module, blocks))
     trace, calls = trace_call(module, blocks, params, args, kwargs)
     units, _ = _outside_units(module, trace.lists)
     weighted = {u for u in units if u not in trace.lists and any(True for _ in module.get_submodule(u).parameters())}
@@ -181,16 +183,17 @@ def plan_split(
         position = {u: 0 if u in before else len(sequence) for u in [*units, *params]}
     held = [u for u in units if u not in lists and any(True for _ in module.get_submodule(u).parameters())]
     at = {u: _position(u, position) for u in [*held, *params]}
-    inner = {u for u in held if at[u] not in (0, len(sequence), None)}  # between two lists
+    inner = {u for u in [*held, *params] if at[u] not in (0, len(sequence), None)}  # between two lists
     return SplitPlan(
         blocks=blocks,
         stage_blocks=stage_blocks,
         first=tuple(u for u in held if at[u] == 0),
         last=tuple(u for u in held if u not in inner and at[u] != 0),
         first_params=tuple(p for p in params if at[p] in (0, None)),
-        last_params=tuple(p for p in params if at[p] not in (0, None)),
+        last_params=tuple(p for p in params if p not in inner and at[p] not in (0, None)),
         lists=tuple(lists) if len(lists) > 1 else (),
         placed=tuple((u, _stage_at(at[u], bounds)) for u in held if u in inner),
+        placed_params=tuple((p, _stage_at(at[p], bounds)) for p in params if p in inner),
     )
 
 

@@ -56,11 +56,26 @@ def stand_in(module: nn.Module, name: str) -> nn.Module:
     copied.register_buffer(_PROBE, torch.empty(0, dtype=dtype), persistent=False)
     copied.__dict__["_stand_in_name"] = name
     copied.__dict__["_stand_in_dtype"] = dtype
+    copied.__dict__["forward"] = partial(_meta_forward, copied, type(copied).forward)
     depth = [0]  # calls of the stand-in's modules in progress: only the outermost converts
     for sub in copied.modules():  # the model may call a submodule directly (timm: ``self.patch_embed.proj(x)``)
         sub.register_forward_pre_hook(partial(_to_meta, copied, depth), with_kwargs=True)
         sub.register_forward_hook(partial(_to_zeros, copied, depth), always_call=True)
     return copied
+
+
+def _meta_forward(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """The module's own forward on the meta device; a failure there names the module and what to do."""
+    try:
+        return forward(module, *args, **kwargs)
+    except Exception as error:
+        name = module.__dict__["_stand_in_name"]
+        raise RuntimeError(
+            f"{name} ({type(module).__name__}) is held by another pipeline stage; here it runs on the meta device "
+            f"for its output's structure, and its code failed there ({type(error).__name__}: {error}). Choose "
+            "split_points that keep the stages calling it together with it, or train this model with hai_ddp or "
+            "hai_fsdp"
+        ) from error
 
 
 def _follow_dtype(module: nn.Module) -> None:

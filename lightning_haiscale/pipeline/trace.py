@@ -21,7 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Trace", "block_lists", "trace_call"]
+__all__ = ["Trace", "block_lists", "candidate_lists", "trace_call"]
 
 
 @dataclass
@@ -41,6 +41,12 @@ def block_lists(module: nn.Module) -> list[str]:
         if listed and len({type(b) for b in child}) == 1 and any(True for _ in child.parameters()):
             found.append(name)
     return found
+
+
+def candidate_lists(module: nn.Module, main: str) -> list[str]:
+    """``main`` and the outermost other block lists that neither contain it nor lie inside it."""
+    others = [c for c in block_lists(module) if not _nested(c, main)]
+    return [main, *(c for c in others if not any(_nested(c, o) and c != o for o in others))]
 
 
 def _nested(a: str, b: str) -> bool:
@@ -89,8 +95,7 @@ def trace_call(
 ) -> tuple[Trace, list[tuple[str, tuple[str, int] | None, int]]]:
     """Runs ``module(*args, **kwargs)`` once without gradients; returns the trace and the raw calls
     ``(name, inside, position)`` (``inside``: the list and block index of the last block begun before it)."""
-    candidates = [main] + [c for c in block_lists(module) if not _nested(c, main)]
-    candidates = [c for c in candidates if c == main or not any(_nested(c, o) and c != o for o in candidates)]
+    candidates = candidate_lists(module, main)
     recorder = _Recorder(module, candidates, {id(module.get_parameter(p)): p for p in params})
     handles = []
     for sub in dict.fromkeys(module.modules()):

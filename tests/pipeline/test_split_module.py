@@ -251,3 +251,45 @@ def test_an_encoder_decoder_model_is_cut_anywhere_in_its_sequence(name: str, cut
             out = parts[s](*activations, call=((), call))
             activations = out if isinstance(out, tuple) else ()
         assert torch.equal(out.loss, expected), (ranks, chunks)
+
+
+def test_a_masked_autoencoders_decoder_blocks_continue_the_sequence() -> None:
+    """ViTMAE runs its encoder's blocks, then its decoder's (beside which the decoder holds ``mask_token``):
+    both lists are cut as one sequence, the mask token held by the stage that runs the decoder's start."""
+    from tests.strategies.model_families import MODELS
+    from tests.strategies.model_families import build as build_family
+
+    model = build_family("vit_mae").double()
+    with torch.no_grad():
+        model.decoder.mask_token.normal_()  # zeros as built: a zero stand-in would pass unseen
+    rows = MODELS["vit_mae"][1](2)
+    call = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    expected = model(**call).loss
+    trace = trace_module(model, "vit.layers", (), call)
+    assert trace.lists == ["vit.layers", "decoder.decoder_layers"]
+    plan = plan_split(model, 3, trace=trace, balance=[2, 3, 1])
+    assert dict(plan.placed_params) == {"decoder.mask_token": 1, "decoder.decoder_pos_embed": 1}
+    assert dict(plan.placed) == {"vit.layernorm": 1, "decoder.decoder_embed": 1}
+    copies = [copy.deepcopy(model) for _ in range(3)]
+    parts = [partition(c, r, 3, balance=[2, 3, 1], example_kwargs=call) for r, c in enumerate(copies)]
+    activations: tuple[torch.Tensor, ...] = ()
+    for part in parts:
+        out = part(*activations, call=((), call))
+        activations = out if isinstance(out, tuple) else ()
+    assert torch.equal(out.loss, expected)
+    assert "decoder.mask_token" in copies[1].state_dict() and "decoder.mask_token" not in copies[2].state_dict()
+
+
+class _ReadsValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * float(self.proj.weight.detach().abs().max())  # reads a value: impossible on meta
+
+
+def test_a_stand_in_that_cannot_run_on_meta_names_the_module_and_the_fix() -> None:
+    stand = stand_in(_ReadsValues(), "model.embed")
+    with pytest.raises(RuntimeError, match=r"model.embed \(_ReadsValues\) is held by another pipeline stage.*hai_ddp"):
+        stand(torch.zeros(2, 4))

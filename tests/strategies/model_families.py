@@ -41,7 +41,7 @@ def vit() -> nn.Module:
 
 def vit_mae() -> nn.Module:
     cfg = ViTMAEConfig(
-        patch_size=2, mask_ratio=0.5, decoder_hidden_size=8, decoder_num_hidden_layers=1,
+        patch_size=2, mask_ratio=0.5, decoder_hidden_size=8, decoder_num_hidden_layers=2,
         decoder_num_attention_heads=2, decoder_intermediate_size=16, **IMAGE,
     )  # fmt: skip
     return ViTMAEForPreTraining(cfg)
