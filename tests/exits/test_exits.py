@@ -1,6 +1,7 @@
 """A finished job exits 0 (see [Note: a finished job exits 0] in lightning_haiscale/hfreduce/at_exit.py): a
-Trainer and a Fabric script per strategy, and the plain examples, run a few times each under torchrun; any
-non-zero exit (an abort at exit is SIGABRT) fails. Runs of 100 per case are recorded in the CHANGELOG."""
+Trainer and a Fabric script per strategy run under torchrun; any non-zero exit (an abort at exit is SIGABRT) fails.
+The plain examples' exits are checked by tests/examples/test_scripts.py. A rare abort needs loops of many runs,
+outside the suite (issue 32's closing note records them); here one run per case catches a frequent one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNS = 3  # a rare abort needs many runs to show; this catches a frequent one in CI's budget
+RUNS = 1  # see the docstring: loops of many runs are kept out of the suite's budget
 CASES = [
     ("trainer", "hai_ddp"),
     ("trainer", "hai_fsdp"),
@@ -43,12 +44,6 @@ def _no_failed_exit(args: list[str], cwd: Path) -> None:
 @pytest.mark.parametrize(("api", "strategy"), CASES)
 def test_script_exits_0(api: str, strategy: str, tmp_path: Path) -> None:
     _no_failed_exit([str(ROOT / "tests/exits/exit_job.py"), api, strategy], tmp_path)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "pipeline"])
-def test_plain_example_exits_0(name: str, tmp_path: Path) -> None:
-    _no_failed_exit(["-m", f"examples.plain.{name}"], tmp_path)
 
 
 _EXIT_PROBE = """
