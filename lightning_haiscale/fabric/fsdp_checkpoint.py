@@ -7,7 +7,7 @@ state, the module's full state dict (bare-module keys), each optimizer's state i
 ``torch.distributed.checkpoint`` folder with the module and the optimizers under the state's own keys, each
 tensor in its parameter's shape (see ``fsdp.dcp`` [Note: Lightning's keys]), and ``meta.pt`` (everything else,
 rank 0); it loads on any number of ranks. Both are published atomically (see ``checkpoint_files.py``). Loading
-takes either, full optimizer states of ddp or one device, and the folders of lightning-haiscale 0.2 (whose
+takes either, full optimizer states of ddp or one device, and the folders of earlier builds of lightning-haiscale (whose
 ``meta.pt`` names the module and the optimizers). ``filter`` keeps the entries a function accepts, as Lightning's
 ``_apply_filter``; ``strict`` as Lightning's Fabric FSDP (missing keys raise).
 """
@@ -32,7 +32,7 @@ from lightning_haiscale.strategies.checkpoint_file import check_file_targets, sa
 __all__ = ["load", "save"]
 
 _META_FILE = "meta.pt"
-_NAMES = "hai_fsdp_names"  # in 0.2's meta.pt: which entries of the state were the module and the optimizers
+_NAMES = "hai_fsdp_names"  # in earlier builds' meta.pt: which entries were the module and the optimizers
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
 
@@ -123,13 +123,13 @@ def _load_sharded(
     strict: bool,
 ) -> None:
     names = checkpoint.pop(_NAMES, None)
-    if names is not None:  # 0.2's folder: the optimizers by position, under the names its meta.pt gives
+    if names is not None:  # an earlier build's folder: the optimizers by position, under the names its meta.pt gives
         saved = {name: f"optimizer_{i}" for i, name in enumerate(names["optimizers"])}
     else:
         saved = {name: name for name in saved_keys(path) if name != key}
     check_strict_keys(optimizers, saved, strict)
     wanted = [name for name in optimizers if name in saved]
-    model_key = key if names is None else "model"  # 0.2's model key is found by load_dcp itself
+    model_key = key if names is None else "model"  # an earlier build's model key is found by load_dcp itself
     model_shard, shards = load_dcp(path, model, [saved[n] for n in wanted], strict=strict, model_key=model_key)
     model.load_sharded_state_dict([model_shard], strict=strict)
     for name, shard in zip(wanted, shards, strict=True):
