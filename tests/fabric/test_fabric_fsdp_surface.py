@@ -119,5 +119,6 @@ def _save_as_0_2(fabric: Fabric, path: Path, model: torch.nn.Module, optimizer: 
     dist.barrier()
 
 
+@pytest.mark.slow  # 20-100 s on 2 loaded cores
 def test_fabric_save_load_and_load_raw(tmp_path: Path) -> None:
     run_distributed(_surface, 2, str(tmp_path), timeout=300)
