@@ -25,7 +25,7 @@ import torch
 from lightning_haiscale.cpu_offload.pool import HostBuffer
 from lightning_haiscale.cpu_offload.stats import CopyClock
 
-__all__ = ["CudaTransfer", "HostTransfer", "Transfer"]
+__all__ = ["Copies", "CudaCopies", "HostCopies"]
 
 _STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 _STREAMS_LOCK = threading.Lock()
@@ -40,7 +40,7 @@ def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.S
         return _STREAMS[index]
 
 
-class Transfer:
+class Copies:
     """The copy interface a region uses; ``None`` events mean the copy already finished."""
 
     def to_host(self, source: torch.Tensor, buf: HostBuffer) -> torch.cuda.Event | None:
@@ -61,7 +61,7 @@ class Transfer:
         """Marks ``source`` so its memory is not reused before queued copies out have read it."""
 
 
-class HostTransfer(Transfer):
+class HostCopies(Copies):
     """Synchronous copies for CPU tensors (``force_copy=True``): the mechanism, testable without a GPU."""
 
     def __init__(self, device: torch.device, clock: CopyClock) -> None:
@@ -81,7 +81,7 @@ class HostTransfer(Transfer):
         return data, None
 
 
-class CudaTransfer(Transfer):
+class CudaCopies(Copies):
     """Asynchronous copies on the device's side streams (see the module note for the ordering)."""
 
     def __init__(self, device: torch.device, clock: CopyClock) -> None:

@@ -16,7 +16,7 @@ from lightning_haiscale.fsdp.optim_state import (
     load_sharded_optim_state_dict,
     sharded_optim_state_dict,
 )
-from lightning_haiscale.fsdp.param_group import ShardState
+from lightning_haiscale.fsdp.param_group import ShardState, TrainingState
 from lightning_haiscale.fsdp.sharding import ShardingStrategy
 from lightning_haiscale.fsdp.state_dict import (
     full_state_dict,
@@ -33,6 +33,7 @@ __all__ = [
     "ShardState",
     "ShardingStrategy",
     "StateDictType",
+    "TrainingState",
     "full_optim_state_dict",
     "full_state_dict",
     "hybrid_groups",

@@ -68,7 +68,7 @@ from lightning_haiscale.fsdp.optim_state import (
     local_optim_state,
 )
 from lightning_haiscale.fsdp.options import check_cpu_offload, check_flags, ignored
-from lightning_haiscale.fsdp.param_group import FSDPParamGroup, GradShards, ShardState
+from lightning_haiscale.fsdp.param_group import FSDPParamGroup, GradShards, ShardState, TrainingState
 from lightning_haiscale.fsdp.sharding import ShardingStrategy, resolve_strategy
 from lightning_haiscale.fsdp.state_dict import (
     gather_full_state,
@@ -139,6 +139,8 @@ class FullyShardedDataParallel(nn.Module):
         communicator: an existing engine over the model's ranks to use (its group replaces ``process_group``;
             :meth:`close` stops it); hybrid sharding builds its two engines over that group instead, with its
             timeout, and stops it.
+        timeout: the deadline of every wait on a peer in the engines it builds (default 5 minutes; with
+            ``communicator``, that engine's own).
         arrival_timeout: how long a collective call (``state_dict()`` outside ``summon_full_params``,
             ``summon_full_params()``) waits for every rank to make it before raising
             :class:`~lightning_haiscale.fsdp.arrival.CollectiveMisuseError` (see [Note: why an arrival check]).
@@ -165,6 +167,7 @@ class FullyShardedDataParallel(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         communicator: Communicator | None = None,
         arrival_timeout: timedelta = timedelta(seconds=30),
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__()
         _check_args(module, backward_prefetch, mixed_precision)
@@ -184,7 +187,7 @@ class FullyShardedDataParallel(nn.Module):
         self.backward_prefetch = backward_prefetch
         self.mixed_precision = mixed_precision
         self.comm, self.replicate_comm, self.process_group = self._communicators(
-            process_group, device_mesh, communicator
+            process_group, device_mesh, communicator, timeout
         )
         self._closed = False
         units = [u for u in unit_modules(module, auto_wrap_policy) if id(u) not in self._ignored_modules]
@@ -209,8 +212,7 @@ class FullyShardedDataParallel(nn.Module):
         self._forward_order: list[FSDPParamGroup] | None = None
         self._backward_order: list[FSDPParamGroup] | None = None
         self._recording: list[FSDPParamGroup] = []
-        self._pre_backward_done: set[int] = set()
-        self._in_backward = False  # from the first backward hook to _finalize_backward (see [Note: recomputation])
+        self._training_state = TrainingState.IDLE  # PRE_BACKWARD from the first backward hook to _finalize_backward
         self._reducing: FSDPParamGroup | None = None  # the unit whose reduce-scatter started last
         self._unfinished: dict[int, FSDPParamGroup] = {}  # units holding gradients, their backward not done
         self._state_dict_type = StateDictType.FULL
@@ -220,13 +222,15 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------------ construction
 
     def _communicators(
-        self, process_group: Any, device_mesh: Any, communicator: Communicator | None
+        self, process_group: Any, device_mesh: Any, communicator: Communicator | None, timeout: timedelta | None
     ) -> tuple[Communicator, Communicator | None, dist.ProcessGroup]:
         """The engines over the shard and replicate groups, and the group of every rank of the model. A given
         ``communicator`` over the whole group is the shard engine (FULL_SHARD, SHARD_GRAD_OP) or the replicate
         one (NO_SHARD); hybrid sharding needs two others over its group (with its timeout) and stops it."""
         strategy = self.sharding_strategy
-        timeout = communicator.timeout if communicator is not None else timedelta(minutes=5)
+        if communicator is not None:
+            timeout = communicator.timeout
+        timeout = timeout if timeout is not None else timedelta(minutes=5)
         if communicator is not None:
             if not strategy.hybrid and strategy is not ShardingStrategy.NO_SHARD:
                 return communicator, None, communicator.group
@@ -281,8 +285,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._open()
-        self._pre_backward_done.clear()
-        self._in_backward = False
+        if self._training_state is not TrainingState.IDLE:  # the last backward never ended (an exception)
+            self._training_state = TrainingState.IDLE
+            for group in self._groups.values():
+                group.forget_backward()
         if self._root_group is not None:
             self._pre_forward(self._root_group)
         if self.mixed_precision is not None and self.mixed_precision.cast_forward_inputs:
@@ -307,7 +313,7 @@ class FullyShardedDataParallel(nn.Module):
         group.use_unsharded_views()
 
     def _unit_pre_forward(self, group: FSDPParamGroup, module: nn.Module, args: Any) -> None:
-        if self._in_backward:  # a recomputation: gather, but prefetch nothing (see [Note: recomputation])
+        if self._training_state is TrainingState.PRE_BACKWARD:  # a recomputation: prefetch nothing (see [Note: ...])
             group.unshard()
             group.wait_unshard()
             group.use_unsharded_views()
@@ -315,7 +321,7 @@ class FullyShardedDataParallel(nn.Module):
         self._pre_forward(group)
 
     def _unit_post_forward(self, group: FSDPParamGroup, module: nn.Module, args: Any, output: Any) -> None:
-        if self._in_backward and id(group) in self._pre_backward_done:
+        if group.training_state is not TrainingState.IDLE:
             return  # a recomputation inside the unit's own backward, which reads the gathered parameters next
         if self.reshard_after_forward:
             group.reshard()
@@ -329,9 +335,9 @@ class FullyShardedDataParallel(nn.Module):
     def _queue_finalize(self) -> None:
         """Runs :meth:`_finalize_backward` once the whole backward is done (queued once per backward, from
         whichever hook fires first), the way torch DDP and FSDP do."""
-        if not self._in_backward:
+        if self._training_state is TrainingState.IDLE:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-            self._in_backward = True
+            self._training_state = TrainingState.PRE_BACKWARD
 
     def _root_pre_backward(self, grad: torch.Tensor | None = None) -> None:
         self._queue_finalize()
@@ -340,9 +346,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def _pre_backward(self, group: FSDPParamGroup, grad: torch.Tensor | None = None) -> None:
         self._queue_finalize()
-        if id(group) in self._pre_backward_done:
+        if not group.begin_backward():
             return
-        self._pre_backward_done.add(id(group))
         for other in [g for g in self._unfinished.values() if g is not group]:  # in the order they got gradients
             del self._unfinished[id(other)]  # see param_group [Note: reducing a unit's gradients]
             if other.reduce_arrived():
@@ -381,9 +386,8 @@ class FullyShardedDataParallel(nn.Module):
         self._grad_shards.release()
         if self._backward_order is None:
             self._backward_order, self._recording = self._recording, []
-        self._pre_backward_done.clear()
         self._unfinished.clear()
-        self._in_backward = False
+        self._training_state = TrainingState.IDLE
         self._reducing = None
 
     # ------------------------------------------------------------------------- public API

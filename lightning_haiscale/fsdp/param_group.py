@@ -64,7 +64,7 @@ from lightning_haiscale.fsdp.wrap import ParamRef
 from lightning_haiscale.hfreduce import Communicator, Work
 from lightning_haiscale.use_counts import storage_use_count
 
-__all__ = ["FSDPParamGroup", "GradShards", "ShardState"]
+__all__ = ["FSDPParamGroup", "GradShards", "ShardState", "TrainingState"]
 
 
 class ShardState(enum.Enum):
@@ -76,6 +76,31 @@ class ShardState(enum.Enum):
     """An all-gather into ``full`` is in flight (a prefetch); wait before computing."""
     UNSHARDED = enum.auto()
     """``full`` holds every rank's shard; forward set the modules' attributes to views of it."""
+    PARTLY_RELEASED = enum.auto()
+    """Gathered, but backward moved on to another unit and may have given back the pages nothing reads any more
+    (release [Note: releasing gathered parameters early]): a forward of a module holding them gathers again.
+    Every rank enters it at the same point, whatever each released."""
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in the step's backward (FSDP2's ``TrainingState``).
+
+    | from          | event                                           | to            | method          |
+    |---------------|-------------------------------------------------|---------------|-----------------|
+    | IDLE          | its pre-backward hook (gathers it)              | PRE_BACKWARD  | begin_backward  |
+    | IDLE or PRE_. | every gradient arrived, under ``no_sync()``     | ACCUMULATED   | reduce_grad     |
+    | IDLE or PRE_. | every gradient arrived, synchronizing           | REDUCED       | reduce_grad     |
+    | any           | the end of the whole backward                   | IDLE          | finalize_grads  |
+    """
+
+    IDLE = enum.auto()
+    """Forward, or between steps: no backward of the unit has begun."""
+    PRE_BACKWARD = enum.auto()
+    """Its backward has begun and its gradients are arriving: a forward of it now is a recomputation."""
+    ACCUMULATED = enum.auto()
+    """Its backward is done; the gradients stay unreduced on the leaves for a later backward (``no_sync()``)."""
+    REDUCED = enum.auto()
+    """Its backward is done and every gradient's reduction has started: the shard may be replicated."""
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -139,11 +164,10 @@ class FSDPParamGroup:
         self._waiting: list[int] = []  # ... of those, the ones not yet reduced
         self._reductions: list[tuple[Work, Callable[[], None]]] = []  # in flight, each with what ends it
         self._reduced: torch.Tensor | None = None  # this backward's reduced shard, until finalize_grads
-        self._complete = False  # this backward reduced every gradient of the unit (its shard may be replicated)
+        self.training_state = TrainingState.IDLE
         self._replication: Work | None = None  # the all-reduce of ``_reduced`` over ``replicate`` in flight
-        self._in_parts = False  # this backward reduces the unit parameter by parameter
+        self._in_parts = False  # this backward reduces the unit parameter by parameter (it was interrupted)
         self._released: set[int] = set()  # leaves whose pages went back to the OS while unsharded
-        self._gather_on_forward = False  # this backward considered releasing (alike on every rank)
         self.grad_space: Callable[[], torch.Tensor] = self.fresh_shard
         """Where a reduced shard goes (see [Note: one buffer for the reduced gradients])."""
         self.use_pieces()
@@ -234,9 +258,9 @@ class FSDPParamGroup:
         """Backward entered another unit while this one stays unsharded: gives the OS back the pages of the
         gathered parameters that nothing reads any more (see release [Note: releasing gathered parameters
         early]). Returns the bytes released."""
-        if self.state is not ShardState.UNSHARDED:
+        if self.state not in (ShardState.UNSHARDED, ShardState.PARTLY_RELEASED):
             return 0
-        self._gather_on_forward = True  # on every rank alike, whatever each releases
+        self.state = ShardState.PARTLY_RELEASED  # on every rank alike, whatever each releases
         if self._own_views is None or storage_use_count(self.full) != self._own_views:
             return 0  # another tensor views the storage: a saved view or an alias may read any leaf
         released = 0
@@ -253,9 +277,9 @@ class FSDPParamGroup:
 
     def holder_pre_forward(self) -> None:
         """Before a forward of a module holding some of this unit's parameters (activation recomputation):
-        gathers the unit again if this backward considered releasing (on every rank alike)."""
-        if self._gather_on_forward:
-            self._gather_on_forward = False
+        PARTLY_RELEASED -> UNSHARDED: gathers the unit again (on every rank alike)."""
+        if self.state is ShardState.PARTLY_RELEASED:
+            self.state = ShardState.UNSHARDED
             self._released.clear()
             self.set_params(self.leaves)
             all_gather_shards(self.comm, self.full, self._gather_input(), async_op=False)
@@ -275,11 +299,21 @@ class FSDPParamGroup:
         self.wait_unshard()
         _free(self.full)
         self._released.clear()
-        self._gather_on_forward = False
         self.state = ShardState.SHARDED
         self.use_pieces()
 
     # ------------------------------------------------------------------------- gradients
+
+    def begin_backward(self) -> bool:
+        """IDLE -> PRE_BACKWARD, from the unit's pre-backward hook; False if its backward had begun already."""
+        if self.training_state is not TrainingState.IDLE:
+            return False
+        self.training_state = TrainingState.PRE_BACKWARD
+        return True
+
+    def forget_backward(self) -> None:
+        """-> IDLE without finishing: a forward after a backward that never ended (an exception inside it)."""
+        self.training_state = TrainingState.IDLE
 
     def grad_arrived(self, index: int, sync: bool) -> bool:
         """Parameter ``index``'s gradient of this backward is complete on its leaf; True once every parameter
@@ -300,10 +334,11 @@ class FSDPParamGroup:
 
     def reduce_grad(self, sync: bool) -> None:
         """After the unit's backward: starts reducing its gradients (unless ``sync`` is False, when they keep
-        accumulating on the leaves for a later backward, as under ``no_sync()``), then reshards."""
+        accumulating on the leaves for a later backward, as under ``no_sync()``), then reshards:
+        -> REDUCED or ACCUMULATED."""
         self._waiting.clear()
         grads = [i for i, leaf in enumerate(self.leaves) if leaf.grad is not None]
-        self._complete = sync
+        self.training_state = TrainingState.REDUCED if sync else TrainingState.ACCUMULATED
         if sync and grads:
             if self._in_parts:
                 for index in grads:
@@ -345,7 +380,7 @@ class FSDPParamGroup:
             work.wait()
             done()
         self._reductions.clear()
-        if self._complete:
+        if self.training_state is TrainingState.REDUCED:
             self._replicate()
 
     def _replicate(self) -> None:
@@ -371,7 +406,7 @@ class FSDPParamGroup:
 
     def finalize_grads(self, sync: bool) -> None:
         """End of backward: reduces the gradients of a unit whose backward never completed (some parameters
-        got none), waits for the reductions and adds the result to the pieces' ``.grad``."""
+        got none), waits for the reductions and adds the result to the pieces' ``.grad``: -> IDLE."""
         if self._waiting:
             self.reduce_grad(sync)
         self.reshard()
@@ -379,7 +414,7 @@ class FSDPParamGroup:
         self._hand_over()
         self._arrived.clear()
         self._in_parts = False
-        self._complete = False
+        self.training_state = TrainingState.IDLE
 
     # --------------------------------------------------------------------- whole copies
 

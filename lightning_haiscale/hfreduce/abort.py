@@ -13,16 +13,20 @@ when it appears, aborts its own host's engines in turn; a rank blocked in a cros
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
+import sys
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
-__all__ = ["abort_job", "register_engine", "watch_other_hosts"]
+from lightning_haiscale.hfreduce.at_exit import call_at_exit
+from lightning_haiscale.hfreduce.liveness import Heartbeats
+
+__all__ = ["abort_job", "forget_other_hosts", "register_engine", "watch_other_hosts"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,8 @@ class _Abortable(Protocol):
 _ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's live host engines (ShmBackend)
 _watcher: threading.Thread | None = None
 _stopping = threading.Event()
+_HEARTBEATS = Heartbeats()
+_LOST: list[str] = []  # why a peer on another host was declared lost, once one was
 
 
 def register_engine(engine: _Abortable) -> None:
@@ -60,24 +66,49 @@ def abort_job(exception: BaseException) -> None:
             log.debug("could not post the abort to the other hosts: %s", error)
 
 
-def watch_other_hosts() -> None:
-    """Starts this process's watcher of aborts posted by ranks on other hosts (once; a daemon thread)."""
+def watch_other_hosts(peers: Iterable[int], silent_s: float) -> None:
+    """An engine of this process exchanges with the global ranks ``peers`` on other hosts: starts this
+    process's watcher of aborts posted there and of their heartbeats (see [Note: a silent host] in
+    liveness.py); a peer silent for ``silent_s`` (at most ``SILENT_S``) aborts this host's engines."""
     global _watcher
+    _HEARTBEATS.watch(_store(), dist.get_rank(), peers, silent_s)
     if _watcher is None:
         _stopping.clear()
         _watcher = threading.Thread(target=_watch, name="hfreduce-abort", daemon=True)
         _watcher.start()
 
 
-@atexit.register
+def forget_other_hosts(peers: Iterable[int]) -> None:
+    """That engine closed: its peers are no longer watched (this rank tells them it left)."""
+    try:
+        _HEARTBEATS.forget(_store(), dist.get_rank(), peers)
+    except (RuntimeError, ValueError) as error:  # the job is over (no store, no process group)
+        log.debug("could not post that this rank left: %s", error)
+
+
 def _stop_watching() -> None:
-    """Ends the watcher before the interpreter finalizes. A daemon thread that is inside a store call when
-    Python finalizes exits through pybind11's ``gil_scoped_release`` destructor, which is ``noexcept``: the
-    process dies of ``std::terminate`` after a successful run, and torchrun reports the job failed."""
+    """Ends the watcher before the interpreter finalizes (see [Note: a finished job exits 0] in at_exit.py).
+    A daemon thread that is inside a store call when Python finalizes exits through pybind11's
+    ``gil_scoped_release`` destructor, which is ``noexcept``: the process dies of ``std::terminate``."""
     watcher = _watcher
     if watcher is not None:
         _stopping.set()
         watcher.join(_EXIT_JOIN_S)
+
+
+def _exit_now_if_a_host_was_lost() -> None:
+    """A process that lost a host exits at once with status 1: gloo's work still waiting on that host would
+    hold the interpreter's finalization (the process group's destructor joins its threads) until the process
+    group's timeout; torchrun then restarts the job or reports it failed within seconds, not that timeout."""
+    if _LOST:
+        log.error("hfreduce: exiting without waiting on the lost host (%s)", _LOST[0])
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(1)
+
+
+call_at_exit(_stop_watching)
+call_at_exit(_exit_now_if_a_host_was_lost)
 
 
 def _abort_here(rank: int, reason: str) -> None:
@@ -101,6 +132,12 @@ def _watch() -> None:
             if connection.check([_KEY]):
                 rank, reason = connection.get(_KEY).decode().split("\n", 1)
                 _abort_here(int(rank), reason)
+                return
+            lost = _HEARTBEATS.tick(connection, dist.get_rank())
+            if lost is not None:
+                log.error("hfreduce: %s", lost[1])
+                _LOST.append(lost[1])
+                _abort_here(*lost)
                 return
     except RuntimeError as error:  # the store's host is gone: that job is over
         log.debug("stopped watching for aborts: %s", error)

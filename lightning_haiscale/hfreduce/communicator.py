@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from lightning_haiscale.hfreduce import shared_memory
 from lightning_haiscale.hfreduce._native import load_engine
+from lightning_haiscale.hfreduce.at_exit import close_at_exit
 from lightning_haiscale.hfreduce.backend import Backend
 from lightning_haiscale.hfreduce.cuda_staging import CudaStaging
 from lightning_haiscale.hfreduce.dtypes import engine_dtype
@@ -80,6 +81,7 @@ class Communicator:
         self._pending_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hfreduce")
         self._finalizer = weakref.finalize(self, _shutdown, self._executor, self._backend)
+        close_at_exit(self)  # one that is never closed: see [Note: a finished job exits 0] in at_exit.py
 
     # ------------------------------------------------------------------------------ properties
 

@@ -5,17 +5,22 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from lightning_haiscale.hfreduce._native import load_engine
-from lightning_haiscale.hfreduce.abort import watch_other_hosts
+from lightning_haiscale.hfreduce.abort import forget_other_hosts, watch_other_hosts
 from lightning_haiscale.hfreduce.backend import Backend
 from lightning_haiscale.hfreduce.dtypes import engine_dtype
-from lightning_haiscale.hfreduce.errors import HFReduceAbortedError, HFReduceError, HFReduceMismatchError
+from lightning_haiscale.hfreduce.errors import (
+    HFReduceAbortedError,
+    HFReduceError,
+    HFReduceMismatchError,
+    HFReducePeerError,
+)
 from lightning_haiscale.hfreduce.fallback import all_gather_tensor, global_rank, reduce_scatter_tensor
 from lightning_haiscale.hfreduce.shm import ShmBackend
 
@@ -36,7 +41,10 @@ class HierarchicalBackend(Backend):
         self._world_size = len(self.topology.peers)
         self._cross_group, self._cross_order = self._make_cross_groups()
         self._disagreed: str | None = None  # set when hosts called different collectives
-        watch_other_hosts()
+        self._peers = [
+            global_rank(group, r) for r in self.topology.cross_host_ranks(self.topology.local_rank) if r != self.rank
+        ]
+        watch_other_hosts(self._peers, host.timeout_s)
 
     def _make_cross_groups(self) -> tuple[dist.ProcessGroup | None, list[int]]:
         """The group of this rank's local index on every host, and the (local index, host) order of ranks."""
@@ -78,7 +86,8 @@ class HierarchicalBackend(Backend):
             host_pieces = output.new_empty(self.topology.num_hosts * n)
             self._host.reduce_scatter(host_pieces, by_local, 1.0)
             # blocking: gloo's asynchronous reduce_scatter_tensor never reported is_completed() here
-            reduce_scatter_tensor(output, host_pieces, group=self._cross_group)
+            with self._naming_peers():
+                reduce_scatter_tensor(output, host_pieces, group=self._cross_group)
         if divisor != 1.0:
             output.div_(divisor)
 
@@ -116,12 +125,32 @@ class HierarchicalBackend(Backend):
                 rank, reason = aborted
                 raise HFReduceAbortedError(f"hfreduce: {reason} (this is group rank {self.rank})", [rank])
             time.sleep(_CROSS_POLL_S)
-        work.wait()
+        with self._naming_peers():
+            work.wait()
+
+    @contextlib.contextmanager
+    def _naming_peers(self) -> Iterator[None]:
+        """A failed transfer across hosts (gloo's error names an address) becomes :class:`HFReducePeerError`
+        naming the group ranks this rank exchanges with on the other hosts."""
+        try:
+            yield
+        except RuntimeError as error:
+            if isinstance(error, HFReduceError):
+                raise
+            peers = [r for r in self.topology.cross_host_ranks(self.topology.local_rank) if r != self.rank]
+            message = (
+                f"hfreduce: the transfer across hosts with group ranks {peers} failed (this is group rank "
+                f"{self.rank}): {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+            )
+            raise HFReducePeerError(message, peers) from error
 
     def alloc_buffer(self, numel: int, dtype: torch.dtype, barrier: Callable[[], None]) -> torch.Tensor:
         return self._host.alloc_buffer(numel, dtype, barrier)
 
     def close(self) -> None:
+        if self._peers:
+            forget_other_hosts(self._peers)
+            self._peers = []
         self._host.close()
 
     # ------------------------------------------------------------------------------------ agreement

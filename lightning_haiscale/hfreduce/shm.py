@@ -48,9 +48,16 @@ class ShmBackend(Backend):
     queues_on_engine: ClassVar[bool] = True
 
     def __init__(
-        self, native: Any, topology: Topology, rank: int, group: dist.ProcessGroup, allow_fallback: bool
+        self,
+        native: Any,
+        topology: Topology,
+        rank: int,
+        group: dist.ProcessGroup,
+        allow_fallback: bool,
+        timeout_s: float,
     ) -> None:
         self.native = native
+        self.timeout_s = timeout_s  # the deadline of every wait on a peer
         self.topology = topology
         self.rank = rank
         self._group = group
@@ -101,7 +108,7 @@ class ShmBackend(Backend):
         if native is None:
             return None
         native.wait_attached()
-        backend = cls(native, topology, rank, group, allow_fallback)
+        backend = cls(native, topology, rank, group, allow_fallback, timeout.total_seconds())
         register_engine(backend)
         return backend
 

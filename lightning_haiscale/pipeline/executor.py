@@ -5,7 +5,8 @@ batch of transfers issued as one ``batch_isend_irecv`` (see [Note: communication
 Sends are asynchronous (waited for at the end of the step, reaped as they complete); a compute waits for
 the receive of its input; a payload receive is posted once its header has arrived. This is exactly the
 model ``schedule.simulate`` proves runs under NCCL's rules. A transfer that fails or times out raises
-``PipelineCommunicationError`` naming the stage, the action, the peer stage and the schedule's grid.
+``PipelineCommunicationError`` naming the stage, the action, the peer stage and the schedule's grid, and the
+peer's own error when the peer failed in its own code (see [Note: a stage's own error]).
 Forwards on stage ``s`` keep ``(inputs, outputs)`` until the backward of the same microbatch, so the
 number of live microbatches per stage is the schedule's ``live_activation_peak``; ``peak_live`` records
 what was observed.
@@ -17,6 +18,12 @@ pipeline itself is inside ``no_sync()`` (gradient accumulation) every backward i
 ``DistributedDataParallel`` decides at *forward* time whether a backward reduces, which no pipeline
 schedule can honor (backwards of other microbatches run between the last forward and the last
 backward), so it is refused.
+
+[Note: a stage's own error] A stage that raises in its own compute (a model's error on stage 1) ends its
+process, and its peers only see gloo's "Connection closed by peer". So before it raises, it posts its error
+in the default group's store (the job's rendezvous store, which every rank reaches; torch has no public
+getter for it), and a peer whose transfer with it fails reads it there and adds it to its own error: rank 0's
+log names the real cause. Best effort: when the store is gone (its host, rank 0, failed) nothing is added.
 """
 
 from __future__ import annotations
@@ -122,8 +129,10 @@ def run_actions(
         for index, item in enumerate(program if program is not None else issue_order(actions, config)):
             try:
                 step.run(item)
-            except Exception:
+            except Exception as error:
                 log.error("pipeline step item %d (%s) failed; schedule:\n%s", index, _name(item), format_grid(schedule))
+                if not isinstance(error, PipelineCommunicationError):
+                    _post_failure(item, error)
                 raise
         done = True
     finally:
@@ -364,9 +373,10 @@ class _Step:
             ActionType.SEND_B: f"sending {stage}B{m}'s input gradient to stage {peer}",
         }[t.action.type]
         verb = "timed out" if "timed out" in str(error).lower() else "failed"
+        own = _posted_failure(self._peer(peer), self.cfg.group)
         return (
             f"pipeline stage {stage} (rank {self._peer(stage)} of the pipeline group) {verb} {what} (rank "
-            f"{self._peer(peer)}): {error}\nschedule (compute per rank and step):\n{format_grid(self.schedule)}"
+            f"{self._peer(peer)}): {error}{own}\nschedule (compute per rank and step):\n{format_grid(self.schedule)}"
         )
 
     def finish(self, wait: bool) -> None:
@@ -411,3 +421,35 @@ def _describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of ({', '.join(_describe(v) for v in value)})"
     return type(value).__name__
+
+
+_FAILED = "lightning_haiscale/pipeline/failed/{}"  # + the global rank; in the default group's store
+
+
+def _store() -> Any:
+    """The default process group's store (torch has no public getter): see [Note: a stage's own error]."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def _post_failure(item: Action | Batch, error: Exception) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    text = str(error).splitlines()[0][:400] if str(error) else ""
+    try:
+        _store().set(_FAILED.format(dist.get_rank()), f"{_name(item)} raised {type(error).__name__}: {text}")
+    except RuntimeError as failure:  # the store's host is gone: nothing to tell
+        log.debug("could not post this stage's error: %s", failure)
+
+
+def _posted_failure(peer: int, group: dist.ProcessGroup | None) -> str:
+    """The error the peer (rank ``peer`` of ``group``) posted, as a sentence; or ``""``. It posted before its
+    connections closed (they close when its process ends), so no wait is needed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    rank = dist.get_global_rank(group, peer) if group is not None else peer
+    key = _FAILED.format(rank)
+    try:
+        store = _store()
+        return f"\n(global rank {rank}'s own error: {store.get(key).decode()})" if store.check([key]) else ""
+    except RuntimeError:
+        return ""

@@ -17,8 +17,9 @@ from torch import nn
 
 from lightning_haiscale.pipeline.balance import balanced_counts
 from lightning_haiscale.pipeline.module_stage import split_module
-from lightning_haiscale.pipeline.split import call_order, find_blocks, plan_split
+from lightning_haiscale.pipeline.split import find_blocks, plan_split, trace_module
 from lightning_haiscale.pipeline.ties import Tie, find_ties
+from lightning_haiscale.pipeline.trace import Trace
 
 __all__ = ["SequentialModel", "make_subgroups", "partition", "stage_layer_counts"]
 
@@ -86,7 +87,7 @@ def partition(
     if not isinstance(module, nn.Sequential) or split_points is not None:
         if isinstance(balance, str):
             raise ValueError(f"balance={balance!r} cuts an nn.Sequential; give a split module a list of block counts")
-        plan = plan_split(module, parts_count, split_points=split_points, balance=balance, before=_before(
+        plan = plan_split(module, parts_count, split_points=split_points, balance=balance, trace=_trace(
             module, split_points, example_inputs, example_kwargs))  # fmt: skip
         stages = split_module(module, plan, list(range(rank, parts_count, world_size)))
         return stages[0] if num_model_chunks == 1 else list(stages)
@@ -103,14 +104,15 @@ def partition(
     return chunks[0] if num_model_chunks == 1 else chunks
 
 
-def _before(
+def _trace(
     module: nn.Module, split_points: Sequence[str] | None, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None
-) -> set[str] | None:
-    """What runs before the blocks, from one traced call when there is an example; else by registration."""
+) -> Trace | None:
+    """One traced call when there is an example (the block lists and where the other modules run); else
+    ``None``: one block list, the other modules placed by registration."""
     if args is None and kwargs is None:
         return None
     blocks = split_points[0].rpartition(".")[0] if split_points else find_blocks(module)
-    return call_order(module, blocks, tuple(args or ()), dict(kwargs or {}))
+    return trace_module(module, blocks, tuple(args or ()), dict(kwargs or {}))
 
 
 def stage_layer_counts(

@@ -41,7 +41,6 @@ from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy, apply_activation_checkpointing, check_ac_policy
 from lightning_haiscale.fsdp.wrap import check_policy
-from lightning_haiscale.hfreduce import Communicator
 from lightning_haiscale.strategies.arguments import check_bool
 
 __all__ = ["SHARDING_STRATEGIES", "HaiFSDPOptions", "hai_fsdp_options", "wrap_hai_fsdp"]
@@ -271,7 +270,7 @@ def wrap_hai_fsdp(
     if options.activation_checkpointing is not None:
         apply_activation_checkpointing(module, options.activation_checkpointing)
     extra: dict[str, Any] = {"sharding_strategy": options.sharding_strategy}
-    extra["communicator"] = Communicator(timeout=timeout)  # every strategy's engines take its deadline
+    extra["timeout"] = timeout  # every engine the wrapper builds (only those its strategy uses) takes this deadline
     if options.cpu_offload:
         if device.type == "cpu":
             rank_zero_warn("HaiFSDPStrategy(cpu_offload=True) has no effect on CPU: the shards are in host memory")

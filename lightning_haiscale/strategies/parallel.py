@@ -45,6 +45,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
 from lightning_haiscale.hfreduce import abort_job
+from lightning_haiscale.hfreduce.at_exit import destroy_at_exit
 from lightning_haiscale.restart_store import restart_safe_store
 from lightning_haiscale.strategies.arguments import check_timeout
 from lightning_haiscale.strategies.checkpoint_file import check_file_targets, save_file
@@ -231,13 +232,15 @@ def init_dist_connection(
     environment: ClusterEnvironment, backend: str, timeout: timedelta | None, root_device: torch.device
 ) -> None:
     """Lightning's ``_init_dist_connection`` (as ``"ddp"`` calls it), on a store that survives torchrun's
-    restarts: under torchrun's shared store, a generation's own (see :mod:`lightning_haiscale.restart_store`)."""
+    restarts: under torchrun's shared store, a generation's own (see :mod:`lightning_haiscale.restart_store`).
+    The group it creates is destroyed at exit (see [Note: a finished job exits 0] in hfreduce/at_exit.py)."""
     if dist.is_available() and dist.is_initialized():
         return
     store = restart_safe_store(environment.global_rank(), environment.world_size(), timeout or default_pg_timeout)
     kwargs: dict[str, Any] = {} if store is None else {"store": store}
     device_id = root_device if root_device.type != "cpu" else None  # eager NCCL init, as "ddp"
     _init_dist_connection(environment, backend, timeout=timeout, device_id=device_id, **kwargs)
+    destroy_at_exit()
 
 
 def no_sync_of(module: Any) -> AbstractContextManager[None]:

@@ -170,8 +170,8 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
                 "self.automatic_optimization = True and return the loss from training_step"
             )
         self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)  # first: the split's traced call runs as training will
         self._install_proxy()
-        self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._pipeline = self._build_pipeline(self._wrap_stages(fitting))
         self._pipeline.forward_context = self.forward_context

@@ -25,7 +25,7 @@ from torch import nn
 from lightning_haiscale.pipeline import partition
 from lightning_haiscale.pipeline.module_stage import split_module
 from lightning_haiscale.pipeline.pipelines import split_batch
-from lightning_haiscale.pipeline.split import call_order, find_blocks, plan_split
+from lightning_haiscale.pipeline.split import find_blocks, plan_split, trace_module
 from lightning_haiscale.strategies.pipeline_step import ForwardStandIn, StageProxy, capture_inputs, shadowed
 
 __all__ = ["Network", "find_network", "split_network"]
@@ -84,9 +84,12 @@ def split_network(
     points = [p.partition(".")[2] for p in split_points] if split_points else None
     blocks = points[0].rpartition(".")[0] if points else find_blocks(network)
     call = _first_call(strategy, network)
-    before = call_order(network, blocks, *call) if call is not None else None
+    trace = None
+    if call is not None:
+        with strategy.precision_plugin.train_step_context():  # as the model runs in training (autocast)
+            trace = trace_module(network, blocks, *call)
     plan = plan_split(network, ranks * chunks, blocks=blocks, split_points=points, balance=strategy.balance,
-                      before=before)  # fmt: skip
+                      trace=trace)  # fmt: skip
     stages = split_module(network, plan, list(range(rank, ranks * chunks, ranks)))
     proxy, shadows = ForwardStandIn(), contextlib.ExitStack()
     shadows.enter_context(shadowed(network, "forward", proxy))

@@ -16,9 +16,9 @@ from torch.utils.checkpoint import checkpoint
 
 from examples.gpt.model import GPT, config, lm_loss
 from lightning_haiscale.cpu_offload import CPUOffload, PinnedBufferPool, offload_stats, reset_offload_stats
-from lightning_haiscale.cpu_offload import region as region_module
+from lightning_haiscale.cpu_offload import run as run_module
 from lightning_haiscale.cpu_offload.stats import region_record
-from lightning_haiscale.cpu_offload.transfer import HostTransfer
+from lightning_haiscale.cpu_offload.transfer import HostCopies
 from lightning_haiscale.testing.parity import noise_tolerance
 from tests.saved_hooks import installed_hooks
 
@@ -222,7 +222,7 @@ class _Event:
         return self.done
 
 
-class _SlowTransfer(HostTransfer):
+class _SlowTransfer(HostCopies):
     """Host copies that report themselves unfinished: exercises the CUDA path's bookkeeping on CPU."""
 
     def __init__(self, device, clock) -> None:
@@ -250,12 +250,12 @@ def slow_transfer(monkeypatch):
     made = []
 
     def transfer(self, device):
-        if device not in self._transfers:
-            self._transfers[device] = _SlowTransfer(device, self.clock)
-            made.append(self._transfers[device])
-        return self._transfers[device]
+        if device not in self._copies:
+            self._copies[device] = _SlowTransfer(device, self.clock)
+            made.append(self._copies[device])
+        return self._copies[device]
 
-    monkeypatch.setattr(region_module._Run, "_transfer", transfer)
+    monkeypatch.setattr(run_module.OffloadRun, "_copies_for", transfer)
     return made
 
 
@@ -380,13 +380,13 @@ def test_a_ratio_0_entry_plans_the_next_entry(gpt):
 def test_each_offloaded_span_is_copied_out_once_and_its_buffer_returned(gpt, monkeypatch):
     model, idx, targets = gpt
     copies = []
-    to_host = HostTransfer.to_host
+    to_host = HostCopies.to_host
 
     def counted_to_host(self, source, buf):
         copies.append(source.numel())
         return to_host(self, source, buf)
 
-    monkeypatch.setattr(HostTransfer, "to_host", counted_to_host)
+    monkeypatch.setattr(HostCopies, "to_host", counted_to_host)
     pool = PinnedBufferPool()
     for _ in range(2):
         copies.clear()
@@ -466,7 +466,7 @@ def test_ratio_0_does_no_device_work_per_saved_tensor(gpt, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("ratio 0 reached the copy machinery")
 
-    monkeypatch.setattr(region_module._Run, "_transfer", refuse)
+    monkeypatch.setattr(run_module.OffloadRun, "_copies_for", refuse)
     monkeypatch.setattr(PinnedBufferPool, "acquire", refuse)
     region = CPUOffload(0.0, _tag(), min_bytes=0, force_copy=True)
     _assert_bitwise_equal(_grads(model, idx, targets, region), _grads(model, idx, targets))

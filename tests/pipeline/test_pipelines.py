@@ -222,3 +222,26 @@ def test_lost_stage_raises_on_its_peer(how: str, within: float) -> None:
 def test_several_chunks_on_one_rank_are_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"2 model chunks per rank need at least 2 pipeline ranks.*num_model_chunks=1"):
         Interleaved1F1B([nn.Linear(2, 2), nn.Linear(2, 2)], chunks=2)
+
+
+class _Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("stage 1's own bug")
+
+
+def _stage_error(rank: int, world: int) -> str:
+    """Stage 1 raises in its own code and its process ends; rank 0's error must name that error."""
+    pipe = PipeDream(partition(nn.Sequential(nn.Linear(4, 4), _Fails()), rank, world), 2)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    if rank == 1:
+        with pytest.raises(ValueError, match="own bug"):
+            pipe.forward_backward(x, criterion=F.mse_loss, labels=(y,))
+        os._exit(3)
+    with pytest.raises(PipelineCommunicationError) as error:
+        pipe.forward_backward(x, criterion=F.mse_loss, labels=(y,))
+    return str(error.value)
+
+
+def test_a_stages_own_error_reaches_its_peers_error() -> None:
+    message = run_distributed(_stage_error, 2, may_die={1}, timeout=60)[0]
+    assert "global rank 1's own error: 1F0 raised ValueError: stage 1's own bug" in message, message

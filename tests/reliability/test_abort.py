@@ -121,7 +121,7 @@ atexit.register(lambda: print("watcher alive at finalization:", alive()))
 import torch.distributed as dist
 from lightning_haiscale.hfreduce.abort import watch_other_hosts
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
-watch_other_hosts()
+watch_other_hosts([], 10.0)
 time.sleep(0.3)
 """
 

@@ -1,0 +1,67 @@
+"""What the library started ends before the interpreter finalizes, in one order.
+
+[Note: a finished job exits 0]
+A C++ thread that touches Python once the interpreter has begun to finalize kills the process with
+``std::terminate`` ("terminate called without an active exception", SIGABRT) after a run that succeeded,
+and torchrun reports the job failed: gloo's worker threads freeing a work's tensors (pytorch#190489; the
+fix upstream was abandoned, pytorch#179291), or a daemon thread inside a store call (the abort watcher).
+So one ``atexit`` hook, run while Python is whole, ends in this order: the communicators still open (the
+engine's threads; those of wrappers a user never closed), the steps other modules register (the abort
+watcher), and the default process group if this library created it (a strategy's; see
+``strategies/parallel.py``), whose destruction joins gloo's threads. A process group the user created is
+the user's to destroy (README, Troubleshooting); a strategy keeps its group until exit, since a later
+``fit``/``test`` of the same process reuses it, as Lightning's ``ddp`` does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+__all__ = ["call_at_exit", "close_at_exit", "destroy_at_exit"]
+
+log = logging.getLogger(__name__)
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
+_STEPS: list[Callable[[], None]] = []
+_owned: list[Any] = []  # the default process group this library created, if it did
+
+
+def close_at_exit(obj: _Closable) -> None:
+    """``obj.close()`` runs at exit if ``obj`` is still alive then (kept weakly)."""
+    _OPEN.add(obj)
+
+
+def call_at_exit(step: Callable[[], None]) -> None:
+    """``step()`` runs at exit, after the open communicators closed and before the process group ends."""
+    _STEPS.append(step)
+
+
+def destroy_at_exit() -> None:
+    """The default process group, just created by this library, is destroyed at exit if it still is the
+    default one then (a user who destroyed it, or made another, keeps theirs)."""
+    _owned[:] = [dist.group.WORLD]
+
+
+@atexit.register
+def _finish() -> None:
+    for obj in list(_OPEN):
+        try:
+            obj.close()
+        except Exception as error:
+            log.warning("closing %r at exit failed: %s", obj, error)
+    for step in _STEPS:
+        step()
+    if _owned and dist.is_available() and dist.is_initialized() and dist.group.WORLD is _owned[0]:
+        dist.destroy_process_group()
+    _owned.clear()
