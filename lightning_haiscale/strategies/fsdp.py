@@ -246,6 +246,11 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         """Loads the weights; when fitting, the optimizer states too (``validate`` after ``fit`` on the same
         Trainer still holds the finished fit's optimizers, which belong to another model)."""
         path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir() and not (path / _META_FILE).is_file():
+            raise ValueError(
+                f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a "
+                "sharded checkpoint folder (with DCP's .metadata and meta.pt) or a single file with a full checkpoint"
+            )
         safe = True if weights_only is None else weights_only
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         model = self._wrapper()

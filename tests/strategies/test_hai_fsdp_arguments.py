@@ -134,6 +134,8 @@ def test_lightnings_public_attributes(cls: type) -> None:
     config = cls(mixed_precision=mixed).mixed_precision_config
     assert isinstance(config, TorchMixedPrecision)
     assert (config.param_dtype, config.reduce_dtype) == (torch.float16, torch.float32)
+    # test_custom_mixed_precision: the user's object comes back equal (was: cast_forward_inputs True != False)
+    assert cls(mixed_precision=TorchMixedPrecision()).mixed_precision_config == TorchMixedPrecision()
 
 
 @BOTH
