@@ -207,3 +207,19 @@ def test_a_save_in_place_removes_the_metadata_first(tmp_path: Path) -> None:
     assert sorted(e.name for e in folder.iterdir()) == ["__0_0.distcp", "file", "meta.pt", "x.distcp"]
     assert (folder / "file").read_bytes() == b"old" and (folder / "meta.pt").read_bytes() == b"new"
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no staging sibling
+
+
+def test_removing_a_sharded_checkpoint_keeps_the_users_files(tmp_path: Path) -> None:
+    """``ModelCheckpoint(save_top_k=)`` removes older checkpoints through ``remove_checkpoint``: a folder holding
+    the user's entries beside our checkpoint keeps them (was: removed whole, as Lightning's ``TorchCheckpointIO``
+    does); a folder of ours alone goes."""
+    shared, ours = tmp_path / "shared", tmp_path / "ours"
+    for folder in (shared, ours):
+        folder.mkdir()
+        for name in (".metadata", "meta.pt", "__0_0.distcp"):
+            (folder / name).write_bytes(b"")
+    (shared / "notes.txt").write_bytes(b"mine")
+    strategy = HaiFSDPStrategy(state_dict_type="sharded")
+    strategy.remove_checkpoint(shared)
+    strategy.remove_checkpoint(ours)
+    assert [p.name for p in shared.iterdir()] == ["notes.txt"] and not ours.exists()
