@@ -1,5 +1,5 @@
-"""Checkpoints (folders and files) that a kill cannot leave half-written: every save is made aside, then
-published by one rename.
+"""Checkpoints (folders and files) that a kill cannot leave half-written: a save is made aside, then published by
+one rename; a folder save among the user's files writes its metadata last instead.
 
 [Note: atomic publication] A checkpoint path is either absent, the previous save, or the new one, whatever
 moment the writing processes are killed at. A folder (DCP shards, ``.metadata``, ``meta.pt``) is written
@@ -15,10 +15,14 @@ two copies while it runs.
 
 [Note: only our own files] A checkpoint path may already hold something the user made. A save never removes
 what this package did not write: a file save onto a directory raises ``IsADirectoryError`` (as Lightning's
-``FSDPStrategy`` does) unless the directory is one of our folder checkpoints and nothing else; a folder save
-into a directory holding anything a folder checkpoint does not write (see :func:`foreign_entries`) raises
-``FileExistsError`` naming those entries. Both are checked by rank 0 before anything is written, and every rank
-raises the same error (:func:`folder_checkpoint` broadcasts it).
+``FSDPStrategy`` does) unless the directory is one of our folder checkpoints and nothing else. A folder save into a
+directory holding anything a folder checkpoint does not write (see :func:`foreign_entries`) writes into that
+directory and keeps those entries, as Lightning's ``FSDPStrategy`` does; a swap would remove them, so this save is
+not atomic but "metadata last", as torch's DCP: rank 0 first removes the previous checkpoint's ``.metadata`` and
+``meta.pt``, then its other entries (see :func:`remove_own_entries`), every rank writes its shards, and
+``.metadata`` then ``meta.pt`` come last. A kill midway leaves a folder without one of the two, which no load
+takes for a complete checkpoint, never new shards beside the old metadata. Rank 0 decides which way before
+anything is written, and every rank follows it (:func:`folder_checkpoint` broadcasts it).
 
 Where ``RENAME_EXCHANGE`` is refused (an old kernel, some network filesystems), a folder over an existing
 one takes two renames: the old save moves to ``.<name>.previous`` first, and a kill between the two leaves
@@ -42,10 +46,11 @@ __all__ = [
     "file_checkpoint",
     "file_target_error",
     "folder_checkpoint",
-    "folder_target_error",
     "foreign_entries",
     "publish_folder",
+    "remove_own_entries",
     "staging_folder",
+    "writes_in_place",
 ]
 
 OWN_ENTRIES = (".metadata", "meta.pt", "*.distcp", "rank_*.pt")
@@ -90,18 +95,22 @@ def file_target_error(final: str | os.PathLike) -> OSError | None:
     )
 
 
-def folder_target_error(final: str | os.PathLike) -> OSError | None:
-    """Why a folder checkpoint must not be published at ``final``: it is a directory holding entries that a folder
-    checkpoint does not write; ``None`` when it may (absent, a file, empty, or one of our checkpoints)."""
+def writes_in_place(final: str | os.PathLike) -> bool:
+    """Whether a folder checkpoint at ``final`` is written into the existing directory (it holds entries that a
+    folder checkpoint does not write, which a swap would remove) rather than swapped in (see
+    [Note: only our own files])."""
     final = Path(final)
-    foreign = foreign_entries(final) if final.is_dir() else []
-    if not foreign:
-        return None
-    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-    return FileExistsError(
-        f"The checkpoint folder {final} holds entries that a sharded checkpoint does not write ({shown}); a save "
-        "replaces the whole folder, so it refuses: save to another path, or move those entries out"
-    )
+    return final.is_dir() and not final.is_symlink() and bool(foreign_entries(final))
+
+
+def remove_own_entries(folder: str | os.PathLike) -> None:
+    """Removes the files of the previous folder checkpoint in ``folder``, its metadata (``.metadata``,
+    ``meta.pt``) first, so that a kill midway leaves no folder that a load takes for a checkpoint; the user's
+    entries, and any directory, are kept (rank 0, before a save in place)."""
+    for pattern in OWN_ENTRIES:
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            if fnmatch.fnmatch(entry.name, pattern) and not entry.is_dir(follow_symlinks=False):
+                os.unlink(entry.path)
 
 
 def clear_staging(final: str | os.PathLike) -> None:
@@ -136,19 +145,20 @@ def folder_checkpoint(
     barrier: Callable[[], None],
     broadcast: Callable[[Any], Any] = lambda obj: obj,
 ) -> Generator[Path, None, None]:
-    """Collective: every rank writes its part of the folder checkpoint ``final`` into the yielded staging
-    folder; when all are done, ``publisher`` (one rank, the source of ``broadcast``) publishes it (see
-    [Note: atomic publication]). Raises on every rank, before anything is written, when ``final`` holds what a
-    folder checkpoint does not write (see [Note: only our own files])."""
-    error = broadcast(folder_target_error(final) if publisher else None)
-    if error is not None:
-        raise error
+    """Collective: every rank writes its part of the folder checkpoint ``final`` into the yielded folder, the
+    metadata last; when all are done, ``publisher`` (one rank, the source of ``broadcast``) publishes it (see
+    [Note: atomic publication]). Where ``final`` holds entries a folder checkpoint does not write, the yielded
+    folder is ``final`` itself, cleared of the previous checkpoint's files only (see [Note: only our own
+    files])."""
+    in_place = broadcast(writes_in_place(final) if publisher else None)
     if publisher:
         clear_staging(final)
+        if in_place:
+            remove_own_entries(final)
     barrier()
-    yield staging_folder(final)
+    yield Path(final) if in_place else staging_folder(final)
     barrier()
-    if publisher:
+    if publisher and not in_place:
         publish_folder(final)
     barrier()
 

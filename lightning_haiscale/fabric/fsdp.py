@@ -217,7 +217,10 @@ class HaiFSDPStrategy(DDPStrategy, Sharded):
 
 def _sharded(module: nn.Module) -> FullyShardedDataParallel:
     if not isinstance(module, FullyShardedDataParallel):
-        raise TypeError(f"hai_fsdp needs the module returned by fabric.setup, got {type(module).__name__}")
+        raise TypeError(
+            "hai_fsdp needs the module returned by fabric.setup: this is only possible if the module passed is "
+            f"wrapped in `FullyShardedDataParallel` (lightning_haiscale.fsdp's), got {type(module).__name__}"
+        )
     return module
 
 

@@ -7,7 +7,7 @@ state, the module's full state dict (bare-module keys), each optimizer's state i
 ``torch.distributed.checkpoint`` folder with the module and the optimizers under the state's own keys, each
 tensor in its parameter's shape (see ``fsdp.dcp`` [Note: Lightning's keys]), and ``meta.pt`` (everything else,
 rank 0); it loads on any number of ranks. Both are published atomically (see ``checkpoint_files.py``). Loading
-takes either, full optimizer states of ddp or one device, and the folders of lightning-haiscale 0.2 (whose
+takes either, full optimizer states of ddp or one device, and the folders of earlier builds of lightning-haiscale (whose
 ``meta.pt`` names the module and the optimizers). ``filter`` keeps the entries a function accepts, as Lightning's
 ``_apply_filter``; ``strict`` as Lightning's Fabric FSDP (missing keys raise).
 """
@@ -29,10 +29,10 @@ from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, load_into_modul
 from lightning_haiscale.fsdp.optim_state import index_keyed
 from lightning_haiscale.strategies.checkpoint_file import check_file_targets, save_file
 
-__all__ = ["load", "save"]
+__all__ = ["check_checkpoint_path", "load", "save", "the_module"]
 
 _META_FILE = "meta.pt"
-_NAMES = "hai_fsdp_names"  # in 0.2's meta.pt: which entries of the state were the module and the optimizers
+_NAMES = "hai_fsdp_names"  # in earlier builds' meta.pt: which entries were the module and the optimizers
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
 
@@ -85,13 +85,20 @@ def load(strategy: Any, path: Any, state: Any, strict: bool, weights_only: bool 
     (set up or bare). Collective."""
     path = Path(strategy.broadcast(str(path)))
     if isinstance(state, Optimizer):
-        raise NotImplementedError("hai_fsdp, as Lightning's FSDPStrategy, does not load an optimizer on its own")
+        raise NotImplementedError(
+            "Loading a single optimizer object from a checkpoint is not supported by hai_fsdp (nor by Lightning's "
+            "FSDPStrategy): load it with its module, fabric.load(path, {'model': model, 'optimizer': optimizer})"
+        )
     if isinstance(state, nn.Module):
         _load_raw(path, state, strict, weights_only)
         return {}
     if not isinstance(state, dict) or not state:
-        raise ValueError("hai_fsdp loads into a dict of objects: fabric.load(path, {'model': model, ...})")
+        raise ValueError(
+            f"Got {type(strategy).__name__}.load_checkpoint(..., state={state!r}), but hai_fsdp loads into a dict "
+            "holding at least the module to reload: fabric.load(path, {'model': model, ...})"
+        )
     key, model = the_module(state)
+    check_checkpoint_path(path)
     optimizers = [name for name, value in state.items() if isinstance(value, Optimizer)]
     if is_dcp_folder(path):
         checkpoint = dict(strategy.checkpoint_io.load_checkpoint(path / _META_FILE, weights_only=weights_only))
@@ -123,13 +130,13 @@ def _load_sharded(
     strict: bool,
 ) -> None:
     names = checkpoint.pop(_NAMES, None)
-    if names is not None:  # 0.2's folder: the optimizers by position, under the names its meta.pt gives
+    if names is not None:  # an earlier build's folder: the optimizers by position, under the names its meta.pt gives
         saved = {name: f"optimizer_{i}" for i, name in enumerate(names["optimizers"])}
     else:
         saved = {name: name for name in saved_keys(path) if name != key}
     check_strict_keys(optimizers, saved, strict)
     wanted = [name for name in optimizers if name in saved]
-    model_key = key if names is None else "model"  # 0.2's model key is found by load_dcp itself
+    model_key = key if names is None else "model"  # an earlier build's model key is found by load_dcp itself
     model_shard, shards = load_dcp(path, model, [saved[n] for n in wanted], strict=strict, model_key=model_key)
     model.load_sharded_state_dict([model_shard], strict=strict)
     for name, shard in zip(wanted, shards, strict=True):
@@ -137,6 +144,11 @@ def _load_sharded(
 
 
 def _load_raw(path: Path, module: nn.Module, strict: bool, weights_only: bool | None) -> None:
+    if path.is_dir() and not is_dcp_folder(path):
+        raise ValueError(
+            "The given path must be a single file containing the full state dict, or a sharded checkpoint folder "
+            f"(with DCP's .metadata): {path}"
+        )
     if is_dcp_folder(path):
         if isinstance(module, FullyShardedDataParallel):
             model_shard, _ = load_dcp(path, module, [], strict=strict, model_key=_module_key(path))
@@ -167,6 +179,24 @@ def _module_key(path: Path) -> str:
 def the_module(state: Mapping[str, Any]) -> tuple[str, FullyShardedDataParallel]:
     """The one sharded module of a checkpoint's state, and its key: its optimizers' states follow its names."""
     modules = [(k, v) for k, v in state.items() if isinstance(v, FullyShardedDataParallel)]
-    if len(modules) != 1:
-        raise ValueError(f"hai_fsdp checkpoints hold one module set up by fabric.setup; the state has {len(modules)}")
+    if not modules:
+        raise ValueError(
+            "Could not find a FSDP model in the provided checkpoint state. hai_fsdp checkpoints hold the one module "
+            "returned by fabric.setup: put it in the state, {'model': model, ...}"
+        )
+    if len(modules) > 1:
+        raise ValueError(
+            f"Found multiple FSDP models in the given state ({', '.join(k for k, _ in modules)}). hai_fsdp "
+            "checkpoints hold one module set up by fabric.setup: save the others in checkpoints of their own"
+        )
     return modules[0]
+
+
+def check_checkpoint_path(path: Path) -> None:
+    """Lightning's check before a load: ``path`` is a file or a checkpoint folder (a folder that is neither names
+    what it lacks, rather than torch's ``IsADirectoryError``)."""
+    if path.is_dir() and not is_dcp_folder(path):
+        raise ValueError(
+            f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a "
+            "sharded checkpoint folder (with DCP's .metadata) or a single file with a full checkpoint"
+        )

@@ -52,13 +52,13 @@ def is_checkpointed(module: nn.Module) -> bool:
 def apply_activation_checkpointing(module: nn.Module, policy: CheckpointPolicy) -> bool:
     """Wraps the modules ``policy`` chooses in torch's ``checkpoint_wrapper`` (non-reentrant), in place.
 
-    A model that already has checkpointed modules (applied by hand) is left as it is, as Lightning's FSDP
+    A model that already contains checkpointed modules (applied by hand) is left as it is, as Lightning's FSDP
     strategy leaves it; returns whether anything was wrapped. See [Note: checkpointing a sharded unit].
     """
     check_ac_policy(policy)
     if is_checkpointed(module):
         warnings.warn(
-            "activation checkpointing is configured, but the model already has checkpointed modules: it is not "
+            "activation checkpointing is configured, but the model already contains checkpointed modules: it is not "
             "applied again",
             stacklevel=2,
         )

@@ -6,7 +6,7 @@ convertible to one file with torch's ``dcp_to_torch_save``.
 parameter's shape: the layout Lightning's ``FSDPStrategy`` writes (torch FSDP's sharded optimizer state dict),
 so Lightning's ``consolidate_checkpoint`` reads ours, and each strategy resumes the other's. Fabric names them
 after the keys of the state the user saves (``model``, ``optimizer``), as Lightning's Fabric does. Folders of
-lightning-haiscale 0.2 (``state_dict`` and a list ``optimizer_states``) still load.
+earlier builds of lightning-haiscale (``state_dict`` and a list ``optimizer_states``) still load.
 
 [Note: flat pieces as DCP chunks]
 A rank holds elements ``[start, end)`` of each flattened parameter (see ``state_dict`` [Note: sharded
@@ -53,7 +53,7 @@ __all__ = [
     "saved_keys",
 ]
 
-_LEGACY_MODEL = "state_dict"  # 0.2's folders: the model there, the optimizers in a list at "optimizer_states"
+_LEGACY_MODEL = "state_dict"  # earlier builds' folders: the model there, the optimizers listed at "optimizer_states"
 _LEGACY_OPTIMIZERS = "optimizer_states"
 
 
@@ -186,7 +186,8 @@ def save_dcp(
 
 
 def optimizer_keys(path: str | Path) -> list[str]:
-    """The ``optimizer_<i>`` entries of the DCP folder ``path``, in order (``optimizer_states`` items in 0.2's)."""
+    """The ``optimizer_<i>`` entries of the DCP folder ``path``, in order (earlier builds: ``optimizer_states``
+    items)."""
     paths = FileSystemReader(path).read_metadata().planner_data.values()
     legacy = {p[1] for p in paths if len(p) > 1 and p[0] == _LEGACY_OPTIMIZERS}
     if legacy:
@@ -197,7 +198,7 @@ def optimizer_keys(path: str | Path) -> list[str]:
 
 def saved_keys(path: str | Path) -> dict[str, str]:
     """The top-level entries of the DCP folder ``path``, each ``"optimizer"`` (it has ``state`` and
-    ``param_groups``, or is 0.2's list) or ``"module"``."""
+    ``param_groups``, or is an earlier build's list) or ``"module"``."""
     kinds: dict[str, str] = {}
     for path_ in FileSystemReader(path).read_metadata().planner_data.values():
         optimizer = path_[0] == _LEGACY_OPTIMIZERS or (len(path_) > 1 and path_[1] in ("state", "param_groups"))
@@ -267,8 +268,8 @@ def _optim_template(metadata: Any, layout: Mapping[str, Any], prefix: tuple[Any,
 
 
 def _groups_template(metadata: Any, prefix: tuple[Any, ...]) -> list[dict[str, Any]] | None:
-    """Where DCP puts the saved ``param_groups``: one object (0.2 saved a tuple), or a list of groups whose every
-    entry DCP saved on its own (a list of dicts is flattened, as Lightning's folders have it)."""
+    """Where DCP puts the saved ``param_groups``: one object (earlier builds saved a tuple), or a list of groups
+    whose every entry DCP saved on its own (a list of dicts is flattened, as Lightning's folders have it)."""
     groups: dict[int, dict[str, Any]] = {}
     at = len(prefix) + 1
     for path in metadata.planner_data.values():

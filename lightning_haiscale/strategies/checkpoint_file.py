@@ -51,10 +51,10 @@ def optimizer_states_of(checkpoint: Mapping[str, Any], path: Any, configured: in
     states = checkpoint.get("optimizer_states")
     if states is None and "pipeline" in checkpoint:
         raise RuntimeError(
-            f"{path} was saved by a pipeline strategy of lightning-haiscale 0.x, whose full file holds no optimizer "
-            "states (they are in its .stage<k> files beside it): resume it once under the pipeline strategy and "
-            "layout that saved it and save again (the full file then holds every stage's states), or load the "
-            "weights alone (model.load_state_dict(torch.load(path)['state_dict']), fit without ckpt_path)"
+            f"{path} was saved by a pipeline strategy of an earlier lightning-haiscale, whose full file holds no "
+            "optimizer states (they are in its .stage<k> files beside it): resume it once under the pipeline "
+            "strategy and layout that saved it and save again (the full file then holds every stage's states), or "
+            "load the weights alone (model.load_state_dict(torch.load(path)['state_dict']), fit without ckpt_path)"
         )
     if states is None:
         raise KeyError(

@@ -110,7 +110,7 @@ class HaiDDPStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's, with the checks of its FSDP when fitting (its ``ddp`` zips the states with the optimizers,
-        dropping extra ones silently): one state per optimizer, and a pipeline file of 0.x names its fix."""
+        dropping extra ones silently): one state per optimizer, and an earlier pipeline file names its fix."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if fitting and ("optimizer_states" in checkpoint or "pipeline" in checkpoint):

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from typing_extensions import override
 
-from lightning_haiscale.checkpoint_files import folder_checkpoint
+from lightning_haiscale.checkpoint_files import folder_checkpoint, foreign_entries, remove_own_entries
 from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
 from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, optimizer_keys, save_dcp
@@ -242,10 +242,27 @@ class HaiFSDPStrategy(HaiParallelStrategy):
                 save_file(self.checkpoint_io, checkpoint, staging / _META_FILE, storage_options)
 
     @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """A sharded folder (``ModelCheckpoint``'s ``save_top_k``): its checkpoint files only; the folder goes when
+        nothing else is left in it (a save in place keeps the user's entries, see ``checkpoint_files``)."""
+        path = Path(filepath)
+        if not (self.is_global_zero and path.is_dir() and not path.is_symlink()):
+            super().remove_checkpoint(filepath)
+            return
+        remove_own_entries(path)
+        if not foreign_entries(path):
+            path.rmdir()
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Loads the weights; when fitting, the optimizer states too (``validate`` after ``fit`` on the same
         Trainer still holds the finished fit's optimizers, which belong to another model)."""
         path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir() and not (path / _META_FILE).is_file():
+            raise ValueError(
+                f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a "
+                "sharded checkpoint folder (with DCP's .metadata and meta.pt) or a single file with a full checkpoint"
+            )
         safe = True if weights_only is None else weights_only
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         model = self._wrapper()

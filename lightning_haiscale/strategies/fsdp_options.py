@@ -69,6 +69,7 @@ class HaiFSDPOptions:
             below).
         sharding_strategy: what is sharded (see :data:`SHARDING_STRATEGIES`).
         mixed_precision: the user's policy; ``None``: derived from the Trainer's or Fabric's ``precision``.
+        torch_mixed_precision_given: the user's policy as given, when it is torch's ``MixedPrecision``.
         activation_checkpointing: the modules whose activations are recomputed in backward (``None``: none).
         cpu_offload: shards and gradients live in host memory.
     """
@@ -76,6 +77,7 @@ class HaiFSDPOptions:
     wrapper: dict[str, Any] = field(default_factory=dict)
     sharding_strategy: str = "FULL_SHARD"
     mixed_precision: MixedPrecision | None = None
+    torch_mixed_precision_given: TorchMixedPrecision | None = None
     activation_checkpointing: CheckpointPolicy | None = None
     cpu_offload: bool = False
 
@@ -92,7 +94,10 @@ class HaiFSDPOptions:
         return ShardingStrategy[self.sharding_strategy], CPUOffload(offload_params=self.cpu_offload)
 
     def torch_mixed_precision(self, precision: str) -> TorchMixedPrecision | None:
-        """:meth:`mixed_precision_for` as torch's ``MixedPrecision`` (Lightning's ``mixed_precision_config``)."""
+        """:meth:`mixed_precision_for` as torch's ``MixedPrecision`` (Lightning's ``mixed_precision_config``): the
+        user's own object when it is torch's, as Lightning returns it."""
+        if self.torch_mixed_precision_given is not None:
+            return self.torch_mixed_precision_given
         mixed = self.mixed_precision_for(precision)
         if mixed is None:
             return None
@@ -138,6 +143,7 @@ def hai_fsdp_options(
         wrapper=wrapper,
         sharding_strategy=sharding,
         mixed_precision=_mixed_precision(mixed_precision),
+        torch_mixed_precision_given=mixed_precision if isinstance(mixed_precision, TorchMixedPrecision) else None,
         activation_checkpointing=_checkpointing(activation_checkpointing, activation_checkpointing_policy),
         cpu_offload=_cpu_offload(cpu_offload),
     )

@@ -301,8 +301,8 @@ class PipelineCheckpoints:
         if saved is None:
             raise RuntimeError(
                 f"{loaded.path} holds no optimizer state this pipeline can take: it was saved with weights only, or "
-                "by a pipeline of lightning-haiscale 0.x whose stage files are missing. Resume it with the layout "
-                "that saved it (its .stage<k> files beside it), or load the weights alone: "
+                "by a pipeline of an earlier lightning-haiscale whose stage files are missing. Resume it with the "
+                "layout that saved it (its .stage<k> files beside it), or load the weights alone: "
                 "model.load_state_dict(torch.load(path)['state_dict']) and trainer.fit(model) without ckpt_path"
             )
         have = {n for stage in saved for opt in stage["param_names"] for group in opt for n in group}
@@ -326,7 +326,7 @@ class PipelineCheckpoints:
         if whole is not None and loaded.names is not None:
             return [{"param_names": loaded.names, "optimizer_states": whole}], loaded.tied
         if whole and all(isinstance(p, str) for s in whole for g in s["param_groups"] for p in g["params"]):
-            names = [[list(g["params"]) for g in s["param_groups"]] for s in whole]  # hai_fsdp 0.x, by name
+            names = [[list(g["params"]) for g in s["param_groups"]] for s in whole]  # hai_fsdp before issue 31: by name
             return [{"param_names": names, "optimizer_states": whole}], {}
         if whole is not None and loaded.stages == 0:
             orders, wanted_by_stage = zip(*self._pipeline_parts((self._stage_order(), wanted)), strict=True)
@@ -337,7 +337,7 @@ class PipelineCheckpoints:
         saved = [
             read_stage_file(self.checkpoint_io, loaded.path, k, loaded.weights_only, loaded.save_id)
             for k in range(loaded.stages)
-        ]  # 0.x: each stage file names its own copies
+        ]  # earlier builds: each stage file names its own copies
         return (saved if saved and all(saved) and all("param_names" in s for s in saved) else None), {}
 
     @override

@@ -1,7 +1,7 @@
 """hai_fsdp's shards in ``torch.distributed.checkpoint`` format: the box cover of a flat range (pure), and a
 world-2 checkpoint read back at world 3 (model and AdamW state equal to the full state, element for element)
 and converted by torch's ``dcp_to_torch_save`` into whole tensors under Lightning FSDP's keys (``model``,
-``optimizer_0``). A folder in the layout lightning-haiscale 0.2 wrote (``state_dict``, a list
+``optimizer_0``). A folder in the layout earlier builds of lightning-haiscale wrote (``state_dict``, a list
 ``optimizer_states`` whose ``param_groups`` is one saved object) still loads, with the same values."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _save_at_two(rank: int, world: int, folder: str) -> None:
 
 
 def _save_as_0_2(path: Path, model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer) -> None:
-    """The folder lightning-haiscale 0.2's ``save_dcp`` wrote (its code, with the pieces as they are today)."""
+    """The folder an earlier lightning-haiscale's ``save_dcp`` wrote (its code, with the pieces as they are today)."""
     shard, optim = sharded_state_dict(model), sharded_optim_state_dict(model, optimizer)
     old_optimizer = {**_optim_pieces(optim), "param_groups": tuple(optim["param_groups"])}
     state = {"state_dict": {**_pieces_of(shard, aliases=True), **shard["buffers"]}, "optimizer_states": [old_optimizer]}

@@ -3,17 +3,17 @@ every save path, Trainer and Fabric, full and sharded, and the pipeline's stage 
 
 Was: ``trainer.save_checkpoint(path)`` / ``fabric.save(path, state)`` with a full state dict, ``path`` an existing
 directory, deleted the directory and everything in it (the atomic swap exchanged it with the new file, then removed
-"the previous save"); a sharded save removed the folder's other files. Lightning's ``FSDPStrategy`` raises
-``IsADirectoryError("The checkpoint path exists and is a directory: ...")`` and touches nothing (its
-``tests_pytorch/strategies/test_fsdp.py::test_save_checkpoint_path_exists``); so must every strategy here. A sharded
-save refuses a folder holding anything a checkpoint does not write, naming it. What a save may replace, it still
-replaces: a previous checkpoint of the same kind, and (as Lightning's FSDP) a sharded folder under a full save.
+"the previous save"); a sharded save removed the folder's other files, then refused them (``FileExistsError``).
+Lightning's ``FSDPStrategy`` raises ``IsADirectoryError("The checkpoint path exists and is a directory: ...")`` on a
+full save and touches nothing, and writes a sharded save into the folder, keeping the user's ``file``, or turns a
+file at the path into the folder (its ``tests_pytorch/strategies/test_fsdp.py::test_save_checkpoint_path_exists``);
+so must every strategy here. What a save may replace, it still replaces: a previous checkpoint of the same kind, and
+(as Lightning's FSDP) a sharded folder under a full save.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 import lightning_haiscale  # noqa: F401  (registers the strategies)
-from lightning_haiscale.checkpoint_files import file_target_error, folder_target_error
+from lightning_haiscale.checkpoint_files import file_target_error, folder_checkpoint, writes_in_place
 from lightning_haiscale.fabric import HaiFSDPStrategy as FabricHaiFSDP
 from lightning_haiscale.strategies import HaiFSDPStrategy, PipeDreamStrategy
 from lightning_haiscale.testing.parity import BATCH, Classifier, data
@@ -58,6 +58,24 @@ def _refused(save: Callable[[Path], None], path: Path, error: type[Exception], m
         save(path)
     dist.barrier()
     _untouched(path, files)
+
+
+def _kept(save: Callable[[Path], None], load: Callable[[Path], Any], path: Path) -> None:
+    """A sharded save into a folder of the user's files, holding an earlier checkpoint's stale shard and metadata,
+    keeps the user's files, replaces the rest, and loads back."""
+    files = _user_folder(path)
+    if dist.get_rank() == 0:
+        for name in ("__9_0.distcp", "meta.pt", ".metadata"):
+            (path / name).write_bytes(b"stale")
+    dist.barrier()
+    save(path)
+    dist.barrier()
+    found = {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    assert {n: found.get(n) for n in files} == files, path
+    assert sorted(set(found) - set(files)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"], sorted(found)
+    assert found["meta.pt"] != b"stale" and found[".metadata"] != b"stale"
+    load(path)
+    dist.barrier()
 
 
 def _fit(strategy: Any, tmp: Path) -> L.Trainer:
@@ -101,7 +119,13 @@ def _trainer_saves(rank: int, world: int, tmp: str) -> None:
     assert [p.name for p in tmp_path.glob("kept.ckpt*")] == ["kept.ckpt.stage0.txt"]
 
     sharded = _fit(HaiFSDPStrategy(state_dict_type="sharded"), tmp_path)
-    _refused(sharded.save_checkpoint, tmp_path / "sharded", FileExistsError, "notes.txt, sub")
+    _kept(sharded.save_checkpoint, sharded.strategy.load_checkpoint, tmp_path / "sharded")
+    file = tmp_path / "file.pt"
+    if rank == 0:
+        file.write_bytes(b"")
+    dist.barrier()
+    sharded.save_checkpoint(file)  # a file at the path becomes the folder, as in Lightning's FSDP
+    assert (file / "meta.pt").is_file()
     folder = tmp_path / "empty"
     if rank == 0:
         folder.mkdir()
@@ -131,9 +155,11 @@ def _fabric_saves(rank: int, world: int, tmp: str) -> None:
         model = Classifier()
         model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         state = {"model": model, "optimizer": optimizer, "step": 1}
-        sharded = name.endswith("sharded")
-        error, match = (FileExistsError, "notes.txt, sub") if sharded else (IsADirectoryError, _LIGHTNING_MESSAGE)
-        _refused(functools.partial(_fabric_save, fabric, state=state), tmp_path / name, error, match)
+        save = functools.partial(_fabric_save, fabric, state=state)
+        if name.endswith("sharded"):
+            _kept(save, functools.partial(fabric.load, state=state), tmp_path / name)
+        else:
+            _refused(save, tmp_path / name, IsADirectoryError, _LIGHTNING_MESSAGE)
 
 
 def test_trainer_saves_keep_the_users_files(tmp_path: Path) -> None:
@@ -145,8 +171,9 @@ def test_fabric_saves_keep_the_users_files(tmp_path: Path) -> None:
 
 
 def test_what_a_save_may_replace(tmp_path: Path) -> None:
-    """The pure checks: a file save takes an absent path, a file and our checkpoint folder; a folder save takes an
-    absent path, a file, an empty folder and our checkpoint folder (0.1's ``rank_<r>.pt`` form included)."""
+    """The pure checks: a file save takes an absent path, a file and our checkpoint folder; a folder save swaps in
+    over an absent path, a file, an empty folder and our checkpoint folder (0.1's ``rank_<r>.pt`` form included), and
+    writes in place into a folder of the user's."""
     ours, old, user, empty = (tmp_path / n for n in ("ours", "old", "user", "empty"))
     for folder, names in ((ours, [".metadata", "__0_0.distcp", "meta.pt"]), (old, ["meta.pt", "rank_0.pt"])):
         folder.mkdir()
@@ -158,9 +185,41 @@ def test_what_a_save_may_replace(tmp_path: Path) -> None:
     empty.mkdir()
     (tmp_path / "file").write_bytes(b"")
     for path in (tmp_path / "absent", tmp_path / "file", ours, old):
-        assert file_target_error(path) is None and folder_target_error(path) is None, path
+        assert file_target_error(path) is None and not writes_in_place(path), path
     assert isinstance(file_target_error(user), IsADirectoryError)
     assert isinstance(file_target_error(empty), IsADirectoryError)  # as Lightning's: only a checkpoint folder
-    assert folder_target_error(empty) is None
-    error = folder_target_error(user)
-    assert isinstance(error, FileExistsError) and "(notes.txt)" in str(error) and os.fspath(user) in str(error)
+    assert not writes_in_place(empty) and writes_in_place(user)
+
+
+def test_a_save_in_place_removes_the_metadata_first(tmp_path: Path) -> None:
+    """Metadata last, as torch's DCP: while the ranks write into a folder of the user's, the previous checkpoint's
+    ``.metadata`` and ``meta.pt`` are already gone (a kill then leaves no folder a load takes for a checkpoint), so
+    are its stale shards; the user's file and directories (even one named like a shard) stay."""
+    folder = tmp_path / "ckpt"
+    (folder / "x.distcp").mkdir(parents=True)
+    for name in (".metadata", "meta.pt", "__0_0.distcp", "__3_0.distcp", "rank_0.pt", "file"):
+        (folder / name).write_bytes(b"old")
+    with folder_checkpoint(folder, publisher=True, barrier=lambda: None) as target:
+        assert target == folder
+        assert sorted(e.name for e in folder.iterdir()) == ["file", "x.distcp"]
+        (target / "__0_0.distcp").write_bytes(b"new")
+        (target / "meta.pt").write_bytes(b"new")
+    assert sorted(e.name for e in folder.iterdir()) == ["__0_0.distcp", "file", "meta.pt", "x.distcp"]
+    assert (folder / "file").read_bytes() == b"old" and (folder / "meta.pt").read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no staging sibling
+
+
+def test_removing_a_sharded_checkpoint_keeps_the_users_files(tmp_path: Path) -> None:
+    """``ModelCheckpoint(save_top_k=)`` removes older checkpoints through ``remove_checkpoint``: a folder holding
+    the user's entries beside our checkpoint keeps them (was: removed whole, as Lightning's ``TorchCheckpointIO``
+    does); a folder of ours alone goes."""
+    shared, ours = tmp_path / "shared", tmp_path / "ours"
+    for folder in (shared, ours):
+        folder.mkdir()
+        for name in (".metadata", "meta.pt", "__0_0.distcp"):
+            (folder / name).write_bytes(b"")
+    (shared / "notes.txt").write_bytes(b"mine")
+    strategy = HaiFSDPStrategy(state_dict_type="sharded")
+    strategy.remove_checkpoint(shared)
+    strategy.remove_checkpoint(ours)
+    assert [p.name for p in shared.iterdir()] == ["notes.txt"] and not ours.exists()

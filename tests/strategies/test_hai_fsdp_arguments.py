@@ -134,6 +134,8 @@ def test_lightnings_public_attributes(cls: type) -> None:
     config = cls(mixed_precision=mixed).mixed_precision_config
     assert isinstance(config, TorchMixedPrecision)
     assert (config.param_dtype, config.reduce_dtype) == (torch.float16, torch.float32)
+    # test_custom_mixed_precision: the user's object comes back equal (was: cast_forward_inputs True != False)
+    assert cls(mixed_precision=TorchMixedPrecision()).mixed_precision_config == TorchMixedPrecision()
 
 
 @BOTH
@@ -257,7 +259,8 @@ def _fits(rank: int, world: int) -> None:
         assert trainer.global_step == 1, call
 
     module = _Checkpointed()
-    with pytest.warns(UserWarning, match="already has checkpointed modules"):
+    # Lightning's words (tests_fabric test_fsdp_integration.py::test_manual_activation_checkpointing)
+    with pytest.warns(UserWarning, match="is configured, but the model already contains checkpointed"):
         quiet_fit(module, HaiFSDPStrategy(activation_checkpointing_policy={nn.Linear}), 1, rows, BATCH)
     wrappers = [m for m in module.modules() if isinstance(m, CheckpointWrapper)]  # once each, not twice
     assert len(wrappers) == sum(isinstance(m, nn.Linear) for m in module.modules()) == 8

@@ -110,8 +110,8 @@ def _into_a_pipeline(tmp_path: Path, expected: dict[str, torch.Tensor]) -> None:
 
 
 def _earlier_versions(tmp_path: Path, saved: dict[str, Any]) -> None:
-    """A full file as 0.x wrote it (no optimizer states; they are in the stage files): another pipeline layout
-    still takes them from the stage files; ``hai_fsdp`` and ``hai_ddp`` raise, naming the file and the fix."""
+    """A full file as earlier builds wrote it (no optimizer states; they are in the stage files): another pipeline
+    layout still takes them from the stage files; ``hai_fsdp`` and ``hai_ddp`` raise, naming the file and the fix."""
     old = tmp_path / "old.ckpt"
     if dist.get_rank() == 0:
         layout = {k: v for k, v in saved["pipeline"].items() if k != "param_names"}
@@ -122,7 +122,7 @@ def _earlier_versions(tmp_path: Path, saved: dict[str, Any]) -> None:
     resumed = _fit(Interleaved1F1BStrategy(chunks=2), 1, tmp_path, ckpt_path=old)
     full = resumed.strategy.lightning_module_state_dict()
     if dist.get_rank() == 0:
-        _check(full, _reference(), "0.x file, 4 stages")
+        _check(full, _reference(), "earlier file, 4 stages")
     for strategy in (HaiFSDPStrategy(), "hai_ddp"):
         with pytest.raises(RuntimeError, match=f"{old}.*no optimizer states.*resume it once under the pipeline"):
             _fit(strategy, 2, tmp_path, ckpt_path=old)
