@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 _ADDRESSES = ("10.231.0.1", "10.231.0.2")
 _PORT = 29531
 _LAUNCHER_VARIABLES = ("HFREDUCE_NODE_ID", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+# an earlier in-process seed_everything() leaves these set: they would reseed the jobs' samplers and initial weights
+_SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 def _sh(*args: str) -> None:
@@ -87,7 +89,7 @@ class TwoHosts:
             )
             command = ["ip", "netns", "exec", host.namespace, "unshare", "--mount", "--uts", "--pid", "--fork",
                        "--mount-proc", "--propagation", "private", "sh", "-c", script, "sh", *torchrun]  # fmt: skip
-            inherited = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+            inherited = {k: v for k, v in os.environ.items() if k not in (*_LAUNCHER_VARIABLES, *_SEED_VARIABLES)}
             variables = {**inherited, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                          "GLOO_SOCKET_IFNAME": host.interface, **(env or {})}  # fmt: skip
             host.process = subprocess.Popen(
