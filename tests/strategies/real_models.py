@@ -20,6 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.utils import logging as hf_logging
 
 from examples.gpt.model import GPT, config
+from lightning_haiscale.strategies import GPipeStrategy, Interleaved1F1BStrategy, PipeDreamStrategy
 
 VOCAB, WIDTH, LAYERS, SEQ, BATCH, STEPS, LR = 32, 16, 8, 8, 4, 2, 0.5
 TOL = {"rtol": 1e-10, "atol": 1e-12}  # float64 throughout: only the order of the microbatch sums differs
@@ -185,3 +186,12 @@ def check(full: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], name
         assert torch.equal(full[first], full[second]), f"{label}: the tied copies differ"
     fresh = build(MODELS[name][0])  # the unsplit model takes the full checkpoint as it is
     fresh.load_state_dict({k.removeprefix("model."): v for k, v in full.items()}, strict=True)
+
+
+def schedules(pp_size: int) -> dict[str, L.pytorch.strategies.Strategy]:
+    """The three pipeline schedules on ``pp_size`` stages, by label (the model tests train each)."""
+    return {
+        "gpipe": GPipeStrategy(chunks=2, pp_size=pp_size),
+        "pipedream": PipeDreamStrategy(chunks=2, pp_size=pp_size),
+        "interleaved": Interleaved1F1BStrategy(chunks=pp_size, pp_size=pp_size),
+    }

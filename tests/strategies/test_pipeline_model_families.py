@@ -15,23 +15,16 @@ from __future__ import annotations
 import pytest
 
 import lightning_haiscale  # noqa: F401 - registers the strategies
-from lightning_haiscale.strategies import GPipeStrategy, Interleaved1F1BStrategy, PipeDreamStrategy
+from lightning_haiscale.strategies import PipeDreamStrategy
 from tests.distributed import run_distributed
 from tests.strategies.model_families import MODELS, check, fit, one_process
-
-
-def _schedules(pp_size: int) -> dict:
-    return {
-        "gpipe": GPipeStrategy(chunks=2, pp_size=pp_size),
-        "pipedream": PipeDreamStrategy(chunks=2, pp_size=pp_size),
-        "interleaved": Interleaved1F1BStrategy(chunks=pp_size, pp_size=pp_size),
-    }
+from tests.strategies.real_models import schedules
 
 
 def _every_model_and_schedule(rank: int, world: int, names: tuple[str, ...] = tuple(MODELS)) -> None:
     for name in names:
         expected = one_process(name)
-        for label, strategy in _schedules(world).items():
+        for label, strategy in schedules(world).items():
             trainer = fit(name, strategy)
             check(trainer.strategy.lightning_module_state_dict(), expected, name, f"{name} {label} on {world}")
 
