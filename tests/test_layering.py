@@ -16,16 +16,11 @@ ROOT = Path(lightning_haiscale.__file__).parent
 
 ENGINE = {"_C", "hfreduce"}
 PLAIN = {"ddp", "fsdp", "pipeline", "cpu_offload", "use_counts", "clip_grad", "grad_sync"}
-CORE = {"checkpoint_files", "restart_store"}  # the adapter core: below both Lightning faces, above the plain layer
+CORE = {"adapter"}  # the adapter core: below both Lightning faces, above the plain layer
 FACES = {"strategies", "fabric", "callbacks"}
 TOOLS = {"testing"}  # helpers for tests and benchmarks: may import the engine, the plain layer and Lightning
 BELOW = {"engine": set(), "plain": ENGINE | PLAIN, "core": ENGINE | PLAIN | CORE}
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
-
-# Face-to-face imports that exist today and are to be removed (issue 34 item 1: one adapter core under the two
-# faces). The test fails on any new one; shrink this set as each goes.
-KNOWN_FACE_IMPORTS = {("fabric", "strategies")}
-
 
 def _module_name(path: Path) -> str:
     return ".".join(path.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
@@ -84,7 +79,7 @@ def _violations() -> list[str]:
                 continue
             if floor in BELOW and other not in BELOW[floor]:
                 found.append(f"{module} imports {target}: the {floor} layer imports only {sorted(BELOW[floor])}")
-            if floor == "face" and other in FACES and (room, other) not in KNOWN_FACE_IMPORTS:
+            if floor == "face" and other in FACES:
                 found.append(f"{module} imports {target}: a Lightning face imports no other face")
             if floor == "tool" and _floor(other) in ("face", "core"):
                 found.append(f"{module} imports {target}: the test tools stay below the faces")
@@ -126,17 +121,6 @@ def test_every_floor_imports_only_downward() -> None:
     assert _violations() == []
 
 
-def test_the_known_face_imports_still_exist() -> None:
-    """A known face-to-face import that is gone must leave ``KNOWN_FACE_IMPORTS`` too (the list only shrinks)."""
-    edges = {
-        (_room(module), _room(target))
-        for module, path in _modules().items()
-        for target, _ in _imports(path)
-        if _room(module) in FACES and target.startswith("lightning_haiscale.") and _room(target) in FACES
-    }
-    assert KNOWN_FACE_IMPORTS <= edges
-
-
 def test_modules_import_each_other_one_way() -> None:
     found = _cycle(_graph())
     assert found is None, f"import cycle: {' -> '.join(found or [])}"
@@ -157,7 +141,8 @@ def test_modules_take_no_private_names_from_each_other() -> None:
 
 
 def test_the_checks_see_a_plain_module_importing_lightning(tmp_path: Path, monkeypatch) -> None:
-    """The floor check is not vacuous: a plain module that imports Lightning and a face is reported."""
+    """The floor check is not vacuous: a plain module that imports Lightning and a face, a face that imports another
+    face, and the adapter core importing a face are reported."""
     import sys
 
     fake = tmp_path / "lightning_haiscale"
@@ -165,5 +150,9 @@ def test_the_checks_see_a_plain_module_importing_lightning(tmp_path: Path, monke
     (fake / "__init__.py").write_text("")
     (fake / "fsdp" / "__init__.py").write_text("")
     (fake / "fsdp" / "bad.py").write_text("import lightning.pytorch\nfrom lightning_haiscale.strategies import x\n")
+    for room, target in (("fabric", "strategies.fsdp"), ("adapter", "fabric.shared")):
+        (fake / room).mkdir()
+        (fake / room / "__init__.py").write_text("")
+        (fake / room / "bad.py").write_text(f"from lightning_haiscale.{target} import x\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
-    assert len(_violations()) == 2
+    assert len(_violations()) == 4

@@ -14,12 +14,12 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_haiscale.adapter.arguments import check_choice, check_timeout, strategy_repr
+from lightning_haiscale.adapter.checkpoint_io import check_file_targets, save_file
+from lightning_haiscale.adapter.ddp_options import START_METHODS, hai_ddp_options, wrap_hai_ddp
+from lightning_haiscale.adapter.registry import register_once
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.fabric.shared import NoSyncControl, Wrapped, setup_distributed
-from lightning_haiscale.strategies.arguments import check_choice, check_timeout, strategy_repr
-from lightning_haiscale.strategies.checkpoint_file import check_file_targets, save_file
-from lightning_haiscale.strategies.ddp import hai_ddp_options, wrap_hai_ddp
-from lightning_haiscale.strategies.parallel import register_once
 
 __all__ = ["HaiDDPStrategy"]
 
@@ -55,7 +55,7 @@ class HaiDDPStrategy(DDPStrategy):
             precision=precision,
             process_group_backend=process_group_backend,
             timeout=check_timeout(timeout),
-            start_method=check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver")),
+            start_method=check_choice("start_method", start_method, START_METHODS),
         )
         self._hai_kwargs = options
         self._backward_sync_control = NoSyncControl(DistributedDataParallel, "hai_ddp")

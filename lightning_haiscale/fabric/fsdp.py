@@ -21,14 +21,15 @@ from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_haiscale.adapter.arguments import check_choice, check_timeout, strategy_repr
+from lightning_haiscale.adapter.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
+from lightning_haiscale.adapter.precision import agree_on_inf
+from lightning_haiscale.adapter.registry import register_once
 from lightning_haiscale.fabric import fsdp_checkpoint
 from lightning_haiscale.fabric.shared import NoSyncControl, Sharded, Wrapped, setup_distributed
 from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
-from lightning_haiscale.strategies.arguments import check_choice, check_timeout, strategy_repr
-from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
-from lightning_haiscale.strategies.parallel import agree_on_inf, register_once
 
 __all__ = ["HaiFSDPStrategy"]
 

@@ -6,7 +6,7 @@ state, the module's full state dict (bare-module keys), each optimizer's state i
 ``optimizer.state_dict()`` and Lightning's FSDP write it) and everything else. ``"sharded"``: a
 ``torch.distributed.checkpoint`` folder with the module and the optimizers under the state's own keys, each
 tensor in its parameter's shape (see ``fsdp.dcp`` [Note: Lightning's keys]), and ``meta.pt`` (everything else,
-rank 0); it loads on any number of ranks. Both are published atomically (see ``checkpoint_files.py``). Loading
+rank 0); it loads on any number of ranks. Both are published atomically (see ``adapter.checkpoint_files``). Loading
 takes either, full optimizer states of ddp or one device, and the folders of earlier builds of lightning-haiscale (whose
 ``meta.pt`` names the module and the optimizers). ``filter`` keeps the entries a function accepts, as Lightning's
 ``_apply_filter``; ``strict`` as Lightning's Fabric FSDP (missing keys raise).
@@ -22,16 +22,15 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_haiscale.checkpoint_files import folder_checkpoint
+from lightning_haiscale.adapter.checkpoint_io import check_file_targets, save_file
+from lightning_haiscale.adapter.sharded_folder import check_checkpoint_path, load_meta, save_sharded
 from lightning_haiscale.fabric.shared import apply_filter, check_strict_keys
 from lightning_haiscale.fsdp import FullyShardedDataParallel
-from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, load_into_module, save_dcp, saved_keys
+from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, load_into_module, saved_keys
 from lightning_haiscale.fsdp.optim_state import index_keyed
-from lightning_haiscale.strategies.checkpoint_file import check_file_targets, save_file
 
-__all__ = ["check_checkpoint_path", "load", "save", "the_module"]
+__all__ = ["load", "save", "the_module"]
 
-_META_FILE = "meta.pt"
 _NAMES = "hai_fsdp_names"  # in earlier builds' meta.pt: which entries were the module and the optimizers
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
@@ -72,11 +71,7 @@ def _save_sharded(
         for name, value in state.items()
         if name != key and name not in optimizers
     }
-    publisher, barrier, broadcast = strategy.is_global_zero, strategy.barrier, strategy.broadcast
-    with folder_checkpoint(folder, publisher=publisher, barrier=barrier, broadcast=broadcast) as staging:
-        save_dcp(staging, model.sharded_state_dict(), optimizers, model.process_group, model_key=key)
-        if strategy.is_global_zero:
-            save_file(strategy.checkpoint_io, rest, staging / _META_FILE, options)
+    save_sharded(strategy, folder, model.sharded_state_dict(), optimizers, rest, model.process_group, options, key)
 
 
 def load(strategy: Any, path: Any, state: Any, strict: bool, weights_only: bool | None) -> dict[str, Any]:
@@ -101,7 +96,7 @@ def load(strategy: Any, path: Any, state: Any, strict: bool, weights_only: bool 
     check_checkpoint_path(path)
     optimizers = [name for name, value in state.items() if isinstance(value, Optimizer)]
     if is_dcp_folder(path):
-        checkpoint = dict(strategy.checkpoint_io.load_checkpoint(path / _META_FILE, weights_only=weights_only))
+        checkpoint = load_meta(strategy, path, weights_only)
         _load_sharded(path, checkpoint, key, model, {name: state[name] for name in optimizers}, strict)
     else:
         checkpoint = dict(strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
@@ -190,13 +185,3 @@ def the_module(state: Mapping[str, Any]) -> tuple[str, FullyShardedDataParallel]
             "checkpoints hold one module set up by fabric.setup: save the others in checkpoints of their own"
         )
     return modules[0]
-
-
-def check_checkpoint_path(path: Path) -> None:
-    """Lightning's check before a load: ``path`` is a file or a checkpoint folder (a folder that is neither names
-    what it lacks, rather than torch's ``IsADirectoryError``)."""
-    if path.is_dir() and not is_dcp_folder(path):
-        raise ValueError(
-            f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a "
-            "sharded checkpoint folder (with DCP's .metadata) or a single file with a full checkpoint"
-        )

@@ -23,7 +23,7 @@ from lightning.fabric.strategies.strategy import (
 from torch import nn
 from typing_extensions import override
 
-from lightning_haiscale.strategies.parallel import init_dist_connection
+from lightning_haiscale.adapter.process_group import init_dist_connection
 
 __all__ = ["NoSyncControl", "Sharded", "Wrapped", "apply_filter", "check_strict_keys", "setup_distributed"]
 
@@ -77,7 +77,7 @@ class Wrapped:
 
 def setup_distributed(strategy: DDPStrategy) -> None:
     """Fabric ``DDPStrategy._setup_distributed``, on a store that survives torchrun's restarts (see
-    :mod:`lightning_haiscale.restart_store`): a killed rank costs one restart, with torchrun's defaults."""
+    :mod:`lightning_haiscale.adapter.process_group`): a killed rank costs one restart, with torchrun's defaults."""
     strategy._set_world_ranks()
     strategy._process_group_backend = strategy._get_process_group_backend()
     environment = strategy.cluster_environment

@@ -22,12 +22,39 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_haiscale.fsdp.sharding import ShardingStrategy
 from lightning_haiscale.hfreduce.topology import Topology
 
-__all__ = ["ShardGroups", "hybrid_groups", "strategy_groups"]
+__all__ = ["ShardGroups", "check_device_mesh", "hybrid_groups", "strategy_groups"]
 
 ShardGroups = tuple[dist.ProcessGroup, dist.ProcessGroup | None, dist.ProcessGroup]
 """(shard group, replicate group or None for one rank, the whole group of every rank of the model)."""
 
 _CACHE: dict[tuple[Any, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # one rendezvous per layout
+
+
+def check_device_mesh(strategy: ShardingStrategy, device_mesh: Any) -> DeviceMesh | tuple[int, int] | None:
+    """``device_mesh`` checked against ``strategy`` before any collective: ``None``, or for the hybrid strategies a
+    2-D ``DeviceMesh`` or a ``(replicate, shard)`` shape (whose size the groups check against the world). The one
+    check, which the wrapper and the Lightning strategies (at their construction) both call."""
+    if device_mesh is None:
+        return None
+    if not strategy.hybrid:
+        raise ValueError(
+            f"device_mesh={device_mesh!r} describes hybrid sharding (replicate, shard) but sharding_strategy="
+            f"{strategy.value!r}; pass sharding_strategy='HYBRID_SHARD' (or '_HYBRID_SHARD_ZERO2'), or leave "
+            "device_mesh out"
+        )
+    if isinstance(device_mesh, DeviceMesh):
+        if device_mesh.ndim != 2:
+            raise ValueError(
+                f"device_mesh has {device_mesh.ndim} dimensions; hybrid sharding needs a 2-D mesh (replicate, shard)"
+            )
+        return device_mesh
+    ok = isinstance(device_mesh, Sequence) and not isinstance(device_mesh, str) and len(device_mesh) == 2
+    if not (ok and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in device_mesh)):
+        raise TypeError(
+            f"device_mesh={device_mesh!r} must be a (replicate, shard) tuple of two positive ints or a 2-D torch "
+            "DeviceMesh"
+        )
+    return device_mesh[0], device_mesh[1]
 
 
 def hybrid_groups(
@@ -36,11 +63,8 @@ def hybrid_groups(
     """This rank's (shard group, replicate group) of hybrid sharding over ``group`` (default the world), from a
     2-D ``DeviceMesh`` (dims: replicate, shard), a ``(replicate, shard)`` shape, or ``None``: the hosts (see
     [Note: hybrid groups by default]). Collective over ``group`` (except for a mesh, whose groups exist)."""
+    device_mesh = check_device_mesh(ShardingStrategy.HYBRID_SHARD, device_mesh)
     if isinstance(device_mesh, DeviceMesh):
-        if device_mesh.ndim != 2:
-            raise ValueError(
-                f"device_mesh has {device_mesh.ndim} dimensions; hybrid sharding needs a 2-D mesh (replicate, shard)"
-            )
         return device_mesh.get_group(1), device_mesh.get_group(0)
     group = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
@@ -60,12 +84,12 @@ def strategy_groups(
     """The groups of ``strategy`` (see sharding [Note: one machine for every strategy]). Checks its arguments
     before any collective."""
     pair = isinstance(process_group, tuple)
-    if not strategy.hybrid and (pair or device_mesh is not None):
-        given = "process_group=(shard_group, replicate_group)" if pair else "device_mesh"
+    if not strategy.hybrid and pair:
         raise ValueError(
-            f"{given} describes hybrid sharding but sharding_strategy={strategy.value}; pass "
-            "sharding_strategy='HYBRID_SHARD' (or '_HYBRID_SHARD_ZERO2'), or leave it out"
+            f"process_group=(shard_group, replicate_group) describes hybrid sharding but sharding_strategy="
+            f"{strategy.value}; pass sharding_strategy='HYBRID_SHARD' (or '_HYBRID_SHARD_ZERO2'), or leave it out"
         )
+    device_mesh = check_device_mesh(strategy, device_mesh)
     if pair:
         if device_mesh is not None:
             raise ValueError("pass either process_group=(shard_group, replicate_group) or device_mesh, not both")
@@ -82,14 +106,7 @@ def strategy_groups(
     return shard, _more_than_one(replicate), whole
 
 
-def _shape(device_mesh: Any, world: int) -> tuple[int, int]:
-    ok = isinstance(device_mesh, Sequence) and len(device_mesh) == 2
-    ok = ok and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in device_mesh)
-    if not ok:
-        raise TypeError(
-            f"device_mesh={device_mesh!r} must be a 2-D torch DeviceMesh or a (replicate, shard) tuple of two "
-            "positive ints"
-        )
+def _shape(device_mesh: tuple[int, int], world: int) -> tuple[int, int]:
     replicate, shard = device_mesh
     if replicate * shard != world:
         raise ValueError(

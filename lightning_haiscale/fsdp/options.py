@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["check_cpu_offload", "check_flags", "ignored"]
+__all__ = ["check_cpu_offload", "check_flags", "ignored", "offload_params"]
 
 _log = logging.getLogger(__name__)
 _logged: set[str] = set()
@@ -40,13 +40,19 @@ def check_flags(**flags: Any) -> None:
             raise TypeError(f"{name}={value!r} must be True or False")
 
 
+def offload_params(cpu_offload: Any) -> bool:
+    """Whether ``cpu_offload`` (``None``, a bool or torch's ``CPUOffload``) asks for the shards in host memory: the one
+    parser, which the wrapper and the Lightning strategies (at their construction) both call."""
+    offload = getattr(cpu_offload, "offload_params", cpu_offload)
+    if offload is not None and not isinstance(offload, bool):
+        raise TypeError(f"cpu_offload={cpu_offload!r} must be None, a bool or torch's CPUOffload(offload_params=...)")
+    return bool(offload)
+
+
 def check_cpu_offload(cpu_offload: Any, device: torch.device) -> None:
     """Accepts ``None``, a bool or torch's ``CPUOffload`` (see [Note: torch's keywords, honoured])."""
-    offload = getattr(cpu_offload, "offload_params", cpu_offload)
-    if cpu_offload is None or offload is False:
+    if not offload_params(cpu_offload):
         return
-    if offload is not True:
-        raise TypeError(f"cpu_offload={cpu_offload!r} must be None, a bool or torch's CPUOffload(offload_params=...)")
     if device.type != "cpu":
         raise NotImplementedError(
             f"cpu_offload=CPUOffload(offload_params=True) on {device} is not supported by hai_fsdp yet (shards and "

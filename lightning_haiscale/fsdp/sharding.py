@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["ShardingStrategy", "resolve_strategy"]
+__all__ = ["ShardingStrategy", "parse_sharding_strategy", "resolve_strategy"]
 
 
 class ShardingStrategy(enum.Enum):
@@ -68,18 +68,22 @@ def resolve_strategy(sharding_strategy: Any, reshard_after_forward: bool = True)
     ``ValueError`` naming the choices for anything else."""
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward={reshard_after_forward!r} must be True or False")
-    strategy = _parse(sharding_strategy)
+    strategy = parse_sharding_strategy(sharding_strategy)
     return strategy if reshard_after_forward else _ZERO2.get(strategy, strategy)
 
 
-def _parse(value: Any) -> ShardingStrategy:
+def parse_sharding_strategy(value: Any) -> ShardingStrategy:
+    """``sharding_strategy`` as our member, from ours, torch's ``ShardingStrategy`` member or a name in any case: the
+    one parser, which the wrapper and the Lightning strategies (at their construction) both call."""
     if isinstance(value, ShardingStrategy):
         return value
     name = value.name if isinstance(value, enum.Enum) else value
-    if isinstance(name, str) and name.upper() in ShardingStrategy.__members__:
-        return ShardingStrategy[name.upper()]
-    choices = ", ".join(repr(m.value) for m in ShardingStrategy)
-    raise ValueError(
-        f"sharding_strategy={value!r} is not a sharding strategy; choose one of {choices} (strings or "
-        "torch.distributed.fsdp.ShardingStrategy members)"
-    )
+    if not isinstance(name, str):
+        raise TypeError(f"sharding_strategy={value!r} must be a name such as 'FULL_SHARD' or torch's ShardingStrategy")
+    if name.upper() not in ShardingStrategy.__members__:
+        choices = ", ".join(repr(m.value) for m in ShardingStrategy)
+        raise ValueError(
+            f"sharding_strategy={value!r} must be one of {choices} (a name in any case, or a member of "
+            "torch.distributed.fsdp.ShardingStrategy)"
+        )
+    return ShardingStrategy[name.upper()]

@@ -28,6 +28,7 @@ from lightning_haiscale.pipeline.schedule import (
     Batch,
     Order,
     build_schedule,
+    check_chunks,
     gpipe_order,
     interleaved_order,
     one_f_one_b_order,
@@ -56,8 +57,7 @@ def split_microbatches(args: Sequence[Any], chunks: int, even: bool = True) -> l
     the same; ``even=False`` (evaluation) allows sizes that differ by one. Tensors inside tuples, lists and
     dicts are split too (see ``split_batch``, the one splitter both this and the Lightning strategies use).
     """
-    if chunks < 1:
-        raise ValueError(f"chunks={chunks} must be at least 1")
+    check_chunks(chunks)
     if any(torch.is_tensor(arg) and arg.dim() == 0 for arg in args):
         raise ValueError("a pipeline input is a 0-d tensor; inputs are split along dim 0 into microbatches")
     return [tuple(part) for part in split_batch(tuple(args), chunks, even)]
@@ -129,8 +129,7 @@ class Pipeline(nn.Module):
         forward_context: Callable[[], AbstractContextManager] | None = None,
     ) -> None:
         super().__init__()
-        if chunks < 1:
-            raise ValueError(f"chunks={chunks} must be at least 1")
+        check_chunks(chunks)
         if checkpoint not in _CHECKPOINT_POLICIES:
             raise ValueError(f"checkpoint={checkpoint!r} must be one of {_CHECKPOINT_POLICIES}")
         for module in modules:

@@ -38,6 +38,7 @@ import enum
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "Action",
@@ -46,6 +47,7 @@ __all__ = [
     "Transfer",
     "add_communication",
     "build_schedule",
+    "check_chunks",
     "compute_rounds",
     "format_grid",
     "forward_only_order",
@@ -128,10 +130,7 @@ def interleaved_order(rank: int, num_ranks: int, chunks: int, model_chunks: int)
 
     Warm-up is ``2 * (num_ranks - rank - 1) + (model_chunks - 1) * num_ranks`` forwards.
     """
-    if chunks % num_ranks:
-        raise ValueError(
-            f"chunks={chunks} must be a multiple of the number of pipeline ranks {num_ranks} for Interleaved1F1B"
-        )
+    check_chunks(chunks, num_ranks, interleaved=True)
     group = num_ranks * model_chunks
     total = chunks * model_chunks
 
@@ -160,6 +159,24 @@ def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -
     for forward, backward in zip(forwards[warmup:], backwards, strict=False):
         actions += [forward, backward]
     return actions + backwards[len(forwards) - warmup :]
+
+
+def check_chunks(chunks: Any, num_ranks: int | None = None, interleaved: bool = False) -> int:
+    """``chunks``, the microbatches per batch: a positive int, and for Interleaved1F1B a multiple of the pipeline's
+    ``num_ranks`` (when known). The one rule, which the pipelines, the batch splitter and the strategies (at their
+    construction) all call."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(
+            f"chunks={chunks!r} ({type(chunks).__name__}) must be an integer; the number of microbatches per batch, "
+            "e.g. chunks=4"
+        )
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks} must be at least 1; the number of microbatches per batch, e.g. chunks=4")
+    if interleaved and num_ranks is not None and chunks % num_ranks:
+        raise ValueError(
+            f"chunks={chunks} must be a multiple of the number of pipeline ranks {num_ranks} for Interleaved1F1B"
+        )
+    return chunks
 
 
 def _check_single_chunk(name: str, model_chunks: int) -> None:

@@ -16,16 +16,16 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_haiscale.adapter.arguments import check_choice, check_timeout, strategy_repr
+from lightning_haiscale.adapter.checkpoint_io import check_file_targets, optimizer_states_of, save_file
+from lightning_haiscale.adapter.ddp_options import START_METHODS, TORCH_DDP_ONLY, hai_ddp_options, wrap_hai_ddp
+from lightning_haiscale.adapter.process_group import init_dist_connection
+from lightning_haiscale.adapter.registry import register_once
 from lightning_haiscale.ddp import DistributedDataParallel
-from lightning_haiscale.hfreduce import Communicator, abort_job
-from lightning_haiscale.strategies.arguments import check_bool, check_choice, check_number, check_timeout, strategy_repr
-from lightning_haiscale.strategies.checkpoint_file import check_file_targets, optimizer_states_of, save_file
-from lightning_haiscale.strategies.parallel import init_dist_connection, register_once
+from lightning_haiscale.hfreduce import abort_job
 
-__all__ = ["HaiDDPStrategy", "hai_ddp_options", "wrap_hai_ddp"]
+__all__ = ["HaiDDPStrategy"]
 
-_TORCH_DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _UNUSED_PARAMETERS = "got no gradient in this backward"
 
 
@@ -78,12 +78,12 @@ class HaiDDPStrategy(DDPStrategy):
         refused = sorted(torch_ddp_options) + [
             name
             for name, value in zip(
-                _TORCH_DDP_ONLY, (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period), strict=True
+                TORCH_DDP_ONLY, (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period), strict=True
             )
             if value is not None
         ]
         hai_kwargs = hai_ddp_options(refused, bucket_cap_mb, find_unused_parameters, broadcast_buffers)
-        check_choice("start_method", start_method, _START_METHODS)
+        check_choice("start_method", start_method, START_METHODS)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -168,7 +168,7 @@ class HaiDDPStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Rank 0 writes one file that a kill leaves as the previous or the new one (see ``checkpoint_file``); a
+        """Rank 0 writes one file that a kill leaves as the previous or the new one (see ``adapter.checkpoint_io``); a
         directory at ``filepath`` raises on every rank, as Lightning's ``FSDPStrategy``."""
         check_file_targets(self.broadcast, self.is_global_zero, [filepath])
         if self.is_global_zero:
@@ -181,31 +181,6 @@ class HaiDDPStrategy(DDPStrategy):
             self.model.close()
             self.model = self.lightning_module
         super().teardown()
-
-
-def hai_ddp_options(
-    refused: list[str], bucket_cap_mb: Any, find_unused_parameters: Any, broadcast_buffers: Any
-) -> dict[str, Any]:
-    """hai_ddp's own options, checked; ``refused`` (torch DDP's options that were given) raise ``TypeError``.
-    Shared by the Trainer and Fabric strategies."""
-    if refused:
-        raise TypeError(
-            f"HaiDDPStrategy does not take {refused}: those configure torch's DistributedDataParallel, which "
-            "hai_ddp replaces; it takes bucket_cap_mb, find_unused_parameters and broadcast_buffers"
-        )
-    return {
-        "bucket_cap_mb": check_number("bucket_cap_mb", bucket_cap_mb),
-        "find_unused_parameters": check_bool("find_unused_parameters", find_unused_parameters),
-        "broadcast_buffers": check_bool("broadcast_buffers", broadcast_buffers),
-    }
-
-
-def wrap_hai_ddp(
-    module: Module, device_ids: list[int] | None, timeout: timedelta | None, options: dict[str, Any]
-) -> DistributedDataParallel:
-    """The wrapper, on an engine whose waits end at ``timeout`` (the strategy's, as its process group's)."""
-    engine = Communicator(timeout=timeout) if timeout is not None else Communicator()
-    return DistributedDataParallel(module, device_ids=device_ids, communicator=engine, **options)
 
 
 # Lightning's DDPStrategy.on_exception text for the same case, naming hai_ddp's spellings.

@@ -38,22 +38,23 @@ from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from typing_extensions import override
 
-from lightning_haiscale.checkpoint_files import folder_checkpoint, foreign_entries, remove_own_entries
+from lightning_haiscale.adapter.arguments import check_choice, strategy_repr
+from lightning_haiscale.adapter.checkpoint_files import foreign_entries, remove_own_entries
+from lightning_haiscale.adapter.checkpoint_io import optimizer_states_of
+from lightning_haiscale.adapter.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
+from lightning_haiscale.adapter.registry import register_once
+from lightning_haiscale.adapter.sharded_folder import META_FILE, check_checkpoint_path, load_meta, save_sharded
 from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy
-from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, optimizer_keys, save_dcp
+from lightning_haiscale.fsdp.dcp import is_dcp_folder, load_dcp, optimizer_keys
 from lightning_haiscale.fsdp.optim_state import index_keyed
 from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
-from lightning_haiscale.strategies.arguments import check_choice, strategy_repr
-from lightning_haiscale.strategies.checkpoint_file import optimizer_states_of, save_file
-from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
-from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
+from lightning_haiscale.strategies.parallel import HaiParallelStrategy
 
 __all__ = ["HaiFSDPStrategy"]
 
 log = logging.getLogger(__name__)
 
-_META_FILE = "meta.pt"
 _WRAPPER_ATTR = "_hai_fsdp_wrapper"  # a LightningModule sharded by an earlier Trainer keeps its wrapper
 
 
@@ -65,7 +66,7 @@ class HaiFSDPStrategy(HaiParallelStrategy):
     ``configure_optimizers`` from ``self.parameters()`` as usual (it sees this rank's pieces).
 
     Takes every keyword of Lightning's ``FSDPStrategy``, in its order, after its own three; each is honoured or
-    refused when the strategy is built (see ``strategies.fsdp_options`` [Note: what each FSDPStrategy keyword
+    refused when the strategy is built (see ``adapter.fsdp_options`` [Note: what each FSDPStrategy keyword
     becomes]). This is the Trainer's class: Fabric takes ``lightning_haiscale.fabric.HaiFSDPStrategy``.
 
     Args:
@@ -235,11 +236,8 @@ class HaiFSDPStrategy(HaiParallelStrategy):
             return
         path = Path(self.broadcast(str(filepath)))
         model_shard, optim_shards = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
-        publisher, barrier, broadcast = self.is_global_zero, self.barrier, self.broadcast
-        with folder_checkpoint(path, publisher=publisher, barrier=barrier, broadcast=broadcast) as staging:
-            save_dcp(staging, model_shard, optim_shards, self._wrapper().process_group)  # creates the folder
-            if self.is_global_zero:
-                save_file(self.checkpoint_io, checkpoint, staging / _META_FILE, storage_options)
+        group = self._wrapper().process_group
+        save_sharded(self, path, model_shard, optim_shards, checkpoint, group, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -258,17 +256,13 @@ class HaiFSDPStrategy(HaiParallelStrategy):
         """Loads the weights; when fitting, the optimizer states too (``validate`` after ``fit`` on the same
         Trainer still holds the finished fit's optimizers, which belong to another model)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_dir() and not (path / _META_FILE).is_file():
-            raise ValueError(
-                f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a "
-                "sharded checkpoint folder (with DCP's .metadata and meta.pt) or a single file with a full checkpoint"
-            )
+        check_checkpoint_path(path)
         safe = True if weights_only is None else weights_only
         strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         model = self._wrapper()
         optimizers = self.optimizers if self.lightning_module.trainer.state.fn == TrainerFn.FITTING else []
         if is_dcp_folder(path):
-            meta = dict(self.checkpoint_io.load_checkpoint(path / _META_FILE, weights_only=weights_only))
+            meta = load_meta(self, path, weights_only)
             if optimizers:
                 saved = optimizer_keys(path) or None  # none: weights only, as the connector reports it
                 optimizer_states_of({**meta, "optimizer_states": saved}, path, len(optimizers))
@@ -278,7 +272,7 @@ class HaiFSDPStrategy(HaiParallelStrategy):
                 model.load_sharded_optim_state_dict(optimizer, [shard])
             return meta
         if path.is_dir():  # the rank_<r>.pt folders of lightning-haiscale 0.1
-            meta = torch.load(path / _META_FILE, map_location="cpu", weights_only=safe)
+            meta = torch.load(path / META_FILE, map_location="cpu", weights_only=safe)
             files = [path / f"rank_{r}.pt" for r in range(meta.pop("hai_fsdp_world_size"))]
             model.load_sharded_state_dict((_mmap(f, safe)["state_dict"] for f in files), strict=strict)
             for i, optimizer in enumerate(optimizers):

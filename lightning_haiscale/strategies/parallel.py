@@ -5,12 +5,11 @@ collectives Lightning calls for logging and checkpoints, and ``block_backward_sy
 ``DDPStrategy`` does the same work, but around torch's ``DistributedDataParallel``; Lightning's own FSDP and
 ModelParallel strategies each repeat it, and so would we without this base.
 
-What every Trainer strategy of this package shares lives here too: :func:`register_once` (each strategy
-class names itself in Lightning's ``register_strategies`` classmethod) and :func:`no_sync_of`. The private
-Lightning helpers the strategies use (``_init_dist_connection``, ``_sync_ddp_if_available``, the subprocess
-launcher, ``_optimizers_to_device``, ``Strategy._reset_optimizers_and_schedulers``) are the ones every
-Lightning strategy uses; they are imported or called in this one module so a Lightning upgrade touches one
-place.
+What every Trainer strategy of this package shares lives here too: :func:`no_sync_of`. The private Lightning
+helpers the Trainer strategies use (``_sync_ddp_if_available``, the subprocess launcher, ``_optimizers_to_device``,
+``Strategy._reset_optimizers_and_schedulers``) are the ones every Lightning strategy uses; they are imported or
+called in this one module so a Lightning upgrade touches one place (the process group's own,
+``_init_dist_connection``, in ``adapter.process_group``, which both faces share).
 """
 
 from __future__ import annotations
@@ -25,10 +24,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -41,16 +38,15 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import DistributedDataParallel as _HasNoSync
 from torch.distributed.constants import default_pg_timeout
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
+from lightning_haiscale.adapter.arguments import check_timeout
+from lightning_haiscale.adapter.checkpoint_io import check_file_targets, save_file
+from lightning_haiscale.adapter.precision import agree_on_inf
+from lightning_haiscale.adapter.process_group import init_dist_connection
 from lightning_haiscale.hfreduce import abort_job
-from lightning_haiscale.hfreduce.at_exit import destroy_at_exit
-from lightning_haiscale.restart_store import restart_safe_store
-from lightning_haiscale.strategies.arguments import check_timeout
-from lightning_haiscale.strategies.checkpoint_file import check_file_targets, save_file
 
-__all__ = ["HaiParallelStrategy", "agree_on_inf", "init_dist_connection", "no_sync_of", "register_once"]
+__all__ = ["HaiParallelStrategy", "no_sync_of"]
 
 
 class HaiParallelStrategy(ParallelStrategy):
@@ -195,7 +191,7 @@ class HaiParallelStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Rank 0 writes one file that a kill leaves as the previous or the new one (see ``checkpoint_file``); a
+        """Rank 0 writes one file that a kill leaves as the previous or the new one (see ``adapter.checkpoint_io``); a
         directory at ``filepath`` raises on every rank, as Lightning's ``FSDPStrategy``."""
         check_file_targets(self.broadcast, self.is_global_zero, [filepath])
         if self.is_global_zero:
@@ -228,21 +224,6 @@ class HaiParallelStrategy(ParallelStrategy):
         return tensor
 
 
-def init_dist_connection(
-    environment: ClusterEnvironment, backend: str, timeout: timedelta | None, root_device: torch.device
-) -> None:
-    """Lightning's ``_init_dist_connection`` (as ``"ddp"`` calls it), on a store that survives torchrun's
-    restarts: under torchrun's shared store, a generation's own (see :mod:`lightning_haiscale.restart_store`).
-    The group it creates is destroyed at exit (see [Note: a finished job exits 0] in hfreduce/at_exit.py)."""
-    if dist.is_available() and dist.is_initialized():
-        return
-    store = restart_safe_store(environment.global_rank(), environment.world_size(), timeout or default_pg_timeout)
-    kwargs: dict[str, Any] = {} if store is None else {"store": store}
-    device_id = root_device if root_device.type != "cpu" else None  # eager NCCL init, as "ddp"
-    _init_dist_connection(environment, backend, timeout=timeout, device_id=device_id, **kwargs)
-    destroy_at_exit()
-
-
 def no_sync_of(module: Any) -> AbstractContextManager[None]:
     """``module.no_sync()`` if it has one (our DDP, FSDP and pipeline wrappers), else a null context.
 
@@ -251,39 +232,3 @@ def no_sync_of(module: Any) -> AbstractContextManager[None]:
     setup the model is the bare LightningModule, which has no ``no_sync``: nothing to block.
     """
     return module.no_sync() if isinstance(module, _HasNoSync) else nullcontext()
-
-
-def register_once(strategy: type[Any], registry: _StrategyRegistry) -> None:
-    """Registers ``strategy.register_strategies``'s names in ``registry`` (Trainer's or Fabric's), skipping those
-    already there, so importing or reloading the package twice registers nothing twice (Lightning's registry
-    raises on a second registration)."""
-    fresh = _StrategyRegistry()
-    strategy.register_strategies(fresh)
-    for name, entry in fresh.items():
-        if name not in registry:
-            registry.register(name, entry["strategy"], entry["description"], **entry["init_params"])
-
-
-def agree_on_inf(plugin: Any, owner: str) -> None:
-    """Replaces a mixed-precision plugin's plain ``GradScaler`` by an agreeing one (Trainer and Fabric plugins).
-
-    [Note: fp16 on a split model] ``GradScaler`` skips the optimizer step when it finds an inf/NaN in
-    the gradients it unscales. Each rank here holds only a part of the gradients (a shard, a stage), so
-    with a plain scaler one rank would skip while the others step, and the replicas would silently
-    diverge. torch's ``ShardedGradScaler`` (what Lightning's FSDP precision uses) all-reduces the found-inf
-    flag over the world before stepping; the plain scaler is replaced by one with the same settings and
-    state, so a checkpoint's scaler state still loads. A custom scaler class cannot be converted safely.
-    """
-    scaler = getattr(plugin, "scaler", None)
-    if scaler is None or isinstance(scaler, ShardedGradScaler):
-        return
-    if type(scaler) not in (torch.amp.GradScaler, torch.cuda.amp.GradScaler):
-        raise TypeError(
-            f"{owner} splits the model across ranks, so the fp16 loss scaler must agree on inf/NaN "
-            f"over all of them; got {type(scaler).__name__}: pass MixedPrecision(..., scaler=torch.distributed."
-            "fsdp.sharded_grad_scaler.ShardedGradScaler(...)) instead"
-        )
-    agreed = ShardedGradScaler(plugin.device, enabled=scaler.is_enabled(), process_group=None)
-    if scaler.is_enabled():
-        agreed.load_state_dict(scaler.state_dict())
-    plugin.scaler = agreed

@@ -38,11 +38,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_haiscale.adapter.registry import register_once
 from lightning_haiscale.ddp import DistributedDataParallel
 from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups
 from lightning_haiscale.pipeline.pipelines import recorded_ties
 from lightning_haiscale.pipeline.ties import ties_within_a_rank
-from lightning_haiscale.strategies.parallel import HaiParallelStrategy, register_once
+from lightning_haiscale.strategies.parallel import HaiParallelStrategy
 from lightning_haiscale.strategies.pipeline_arguments import check_pipeline_arguments
 from lightning_haiscale.strategies.pipeline_checkpoint import LoadedCheckpoint, PipelineCheckpoints
 from lightning_haiscale.strategies.pipeline_network import Network, find_network, first_batch_inputs, split_network

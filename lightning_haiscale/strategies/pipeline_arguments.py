@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_haiscale.strategies.arguments import check_choice, check_int
+from lightning_haiscale.adapter.arguments import check_choice, check_int
+from lightning_haiscale.pipeline.schedule import check_chunks
 
 __all__ = ["check_pipeline_arguments"]
 
@@ -25,9 +26,9 @@ def check_pipeline_arguments(
     split_points: Any,
 ) -> None:
     """Raises before anything starts, naming the argument and the fix (``name``: the strategy's class)."""
-    check_int("chunks", chunks, 1, "the number of microbatches per batch, e.g. chunks=4")
     if pp_size is not None:
         check_int("pp_size", pp_size, 1, "stages per pipeline, or pp_size=None for one pipeline over the world")
+    check_chunks(chunks, pp_size, interleaved)
     check_int("num_model_chunks", num_model_chunks, 1)
     if num_model_chunks != 1 and not interleaved:
         raise ValueError(
@@ -57,5 +58,3 @@ def _check_balance(balance: Any, parts: int | None) -> None:
         raise ValueError(f"balance={list(balance)} must hold positive integer layer counts")
     if parts is not None and len(balance) != parts:
         raise ValueError(f"balance={list(balance)} must have pp_size x num_model_chunks = {parts} layer counts")
-
-

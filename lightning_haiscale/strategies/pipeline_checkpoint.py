@@ -35,7 +35,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
-from lightning_haiscale.strategies.checkpoint_file import check_file_targets, check_optimizer_count, save_file
+from lightning_haiscale.adapter.checkpoint_io import check_file_targets, check_optimizer_count, save_file
 from lightning_haiscale.strategies.pipeline_optim_state import first_names, merge_stage_states, stage_order, tie_aliases
 
 __all__ = [

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_haiscale import checkpoint_files
-from lightning_haiscale.checkpoint_files import (
+from lightning_haiscale.adapter import checkpoint_files
+from lightning_haiscale.adapter.checkpoint_files import (
     clear_staging,
     file_checkpoint,
     folder_checkpoint,

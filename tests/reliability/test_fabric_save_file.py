@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from lightning_haiscale.strategies.checkpoint_file import save_file
+from lightning_haiscale.adapter.checkpoint_io import save_file
 
 
 class Recording(TorchCheckpointIO):

@@ -5,7 +5,7 @@ Was: the sharded format (DCP shards, ``.metadata``, ``meta.pt``) was written ove
 kill left the previous ``.metadata`` beside new shard files; the pipelines wrote the full file and the stage
 files one after the other, so a kill paired a new full file with old optimizer states. Now a folder is written
 aside and swapped in by one rename, and a pipeline save is committed by its full file (see
-``lightning_haiscale/checkpoint_files.py`` and ``strategies/pipeline_checkpoint.py``).
+``lightning_haiscale/adapter/checkpoint_files.py`` and ``strategies/pipeline_checkpoint.py``).
 
 ``restart_job.py`` logs every file operation of each rank in the saves at the end of epoch 1 (the epoch's
 top-k checkpoint, the removal of the previous one, and ``last.ckpt``, which then exists: an overwrite). The

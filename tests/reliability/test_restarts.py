@@ -3,7 +3,7 @@ kill and resumes from ``last.ckpt`` to the same weights, bit for bit, as a job n
 
 Was: every restarted generation read the killed one's gloo addresses from torchrun's shared store and died in
 ``Gloo connectFullMesh failed``, so one kill cost several restarts or the whole job (pytorch#135712; see
-``lightning_haiscale/restart_store.py``).
+``lightning_haiscale/adapter/process_group.py``).
 The job is ``restart_job.py``: a float64 MLP, SGD with momentum, 2 ranks, 4 epochs of 4 steps, a checkpoint
 at each epoch's end; rank 1 kills itself at steps 5 and 11, so each resume redoes steps (see [Note: where a
 resume is exact] there). Compared per rank (its parameters, shard or stage) with the same job never killed:

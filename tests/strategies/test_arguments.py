@@ -46,6 +46,7 @@ CASES: list[tuple[type, dict[str, Any], str]] = [
     (GPipeStrategy, {"num_model_chunks": 2}, r"num_model_chunks=2: .* use Interleaved1F1BStrategy"),
     (PipeDreamStrategy, {"checkpoint": "always"}, r"checkpoint='always' is GPipe's .*; use GPipeStrategy"),
     (Interleaved1F1BStrategy, {"num_model_chunks": 0}, r"num_model_chunks=0 must be at least 1"),
+    (Interleaved1F1BStrategy, {"chunks": 3, "pp_size": 2}, r"chunks=3 must be a multiple of the number of pipeline"),
     (HaiFSDPStrategy, {"auto_wrap_policy": 123}, r"auto_wrap_policy must be a torch wrap policy .* got 123"),
     (HaiFSDPStrategy, {"auto_wrap_policy": {int}}, r"auto_wrap_policy must be .* a set of nn.Module classes"),
     (HaiFSDPStrategy, {"backward_prefetch": "pre"}, r"backward_prefetch='pre' must be None, BackwardPrefetch"),

@@ -26,7 +26,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 import lightning_haiscale  # noqa: F401  (registers the strategies)
-from lightning_haiscale.checkpoint_files import file_target_error, folder_checkpoint, writes_in_place
+from lightning_haiscale.adapter.checkpoint_files import file_target_error, folder_checkpoint, writes_in_place
 from lightning_haiscale.fabric import HaiFSDPStrategy as FabricHaiFSDP
 from lightning_haiscale.strategies import HaiFSDPStrategy, PipeDreamStrategy
 from lightning_haiscale.testing.parity import BATCH, Classifier, data

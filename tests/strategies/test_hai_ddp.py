@@ -253,9 +253,9 @@ def test_configure_ddp_on_a_cuda_root_device_wraps_without_torch_comm_hooks(monk
             self.module = module
             wrapped.append(kwargs)
 
-    monkeypatch.setattr("lightning_haiscale.strategies.ddp.DistributedDataParallel", _Wrapper)
+    monkeypatch.setattr("lightning_haiscale.adapter.ddp_options.DistributedDataParallel", _Wrapper)
     engine = object()
-    monkeypatch.setattr("lightning_haiscale.strategies.ddp.Communicator", lambda **kwargs: engine)
+    monkeypatch.setattr("lightning_haiscale.adapter.ddp_options.Communicator", lambda **kwargs: engine)
     strategy = HaiDDPStrategy(parallel_devices=[torch.device("cuda", 0)], bucket_cap_mb=5)
     module = BoringModel()
     strategy.model = module

@@ -143,7 +143,7 @@ def test_sharding_strategy_spellings(cls: type) -> None:
     # torch's enum, as Lightning's FSDPStrategy exposes it (a string compared with the enum was silently unequal)
     assert cls(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP).sharding_strategy == ShardingStrategy.SHARD_GRAD_OP
     assert cls(sharding_strategy="no_shard").sharding_strategy == ShardingStrategy.NO_SHARD
-    with pytest.raises(ValueError, match="sharding_strategy='ZERO3' must be one of FULL_SHARD, SHARD_GRAD_OP"):
+    with pytest.raises(ValueError, match="sharding_strategy='ZERO3' must be one of 'FULL_SHARD', 'SHARD_GRAD_OP'"):
         cls(sharding_strategy="ZERO3")
     with pytest.raises(TypeError, match="sharding_strategy=3"):
         cls(sharding_strategy=3)

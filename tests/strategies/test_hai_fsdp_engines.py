@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_haiscale.adapter.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.hfreduce import communicator
-from lightning_haiscale.strategies.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.testing import run_distributed
 
 _TIMEOUT = timedelta(seconds=77)

@@ -23,6 +23,7 @@ from torch import nn
 
 import lightning_haiscale
 from lightning_haiscale import fabric
+from lightning_haiscale.adapter.registry import register_once
 from lightning_haiscale.grad_sync import sync_off
 from lightning_haiscale.strategies import (
     GPipeStrategy,
@@ -31,7 +32,7 @@ from lightning_haiscale.strategies import (
     Interleaved1F1BStrategy,
     PipeDreamStrategy,
 )
-from lightning_haiscale.strategies.parallel import no_sync_of, register_once
+from lightning_haiscale.strategies.parallel import no_sync_of
 from tests.distributed import run_distributed
 
 # name -> (class, init_params), as users rely on them (README "Configuring")

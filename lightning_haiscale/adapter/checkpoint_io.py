@@ -4,7 +4,7 @@ temporary file: what every Trainer and Fabric strategy of this package saves a f
 Lightning's ``TorchCheckpointIO`` writes through ``_atomic_save``: a temporary file in ``$TMPDIR``, then a move.
 A kill before the move leaves that file behind (as large as the checkpoint), and where ``$TMPDIR`` is on another
 filesystem the move is a copy, which a kill can leave half done. Here the file is written beside its final name
-and published by one rename (see [Note: atomic publication] in ``checkpoint_files.py``).
+and published by one rename (see [Note: atomic publication] in ``checkpoint_files``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
-from lightning_haiscale.checkpoint_files import file_checkpoint, file_target_error
+from lightning_haiscale.adapter.checkpoint_files import file_checkpoint, file_target_error
 
 __all__ = ["check_file_targets", "check_optimizer_count", "optimizer_states_of", "save_file"]
 

@@ -6,15 +6,15 @@ built, with the reason and the fix, never dropped.
 
 [Note: what each FSDPStrategy keyword becomes]
 - ``sharding_strategy``: ``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``
-  (strings in any case, or torch's ``ShardingStrategy``). The strategy hands the wrapper an engine with its
-  ``timeout``; the wrapper's engines over a strategy's groups take that deadline.
-- ``device_mesh``: hybrid only, ``(replicate, shard)`` or a 2-D ``DeviceMesh``; without it, shard within each host
-  and replicate across hosts.
+  (strings in any case, or torch's ``ShardingStrategy``), parsed by ``fsdp.sharding``. The strategy hands the
+  wrapper its ``timeout``, the deadline of every engine the wrapper builds.
+- ``device_mesh``: hybrid only, ``(replicate, shard)`` or a 2-D ``DeviceMesh`` (checked by ``fsdp.mesh``); without
+  it, shard within each host and replicate across hosts.
 - ``activation_checkpointing_policy`` (or the deprecated ``activation_checkpointing``): torch's
   ``checkpoint_wrapper`` on the policy's modules before sharding (``fsdp.checkpointing``): a recomputed unit
   gathers its parameters again.
-- ``cpu_offload``: ``True`` or torch's ``CPUOffload``. On CPU the shards are in host memory already: accepted, and
-  said once. On CUDA it goes to the wrapper, which refuses it until it is built.
+- ``cpu_offload``: ``True`` or torch's ``CPUOffload`` (parsed by ``fsdp.options``). On CPU the shards are in host
+  memory already: accepted, and said once. On CUDA it goes to the wrapper, which refuses it until it is built.
 - ``mixed_precision``: torch's ``MixedPrecision`` (or ours) wins over the Trainer's ``precision``, as in
   Lightning; ``keep_low_precision_grads=True`` is refused.
 - ``limit_all_gathers``, ``forward_prefetch``, ``use_orig_params``, ``sync_module_states``, ``ignored_modules``
@@ -33,20 +33,20 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
-from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+from torch.distributed.fsdp import CPUOffload
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 
+from lightning_haiscale.adapter.arguments import check_bool
 from lightning_haiscale.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 from lightning_haiscale.fsdp.checkpointing import CheckpointPolicy, apply_activation_checkpointing, check_ac_policy
+from lightning_haiscale.fsdp.mesh import check_device_mesh
+from lightning_haiscale.fsdp.options import offload_params
+from lightning_haiscale.fsdp.sharding import ShardingStrategy, parse_sharding_strategy
 from lightning_haiscale.fsdp.wrap import check_policy
-from lightning_haiscale.strategies.arguments import check_bool
 
-__all__ = ["SHARDING_STRATEGIES", "HaiFSDPOptions", "hai_fsdp_options", "wrap_hai_fsdp"]
-
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-"""The ``sharding_strategy`` values ``hai_fsdp`` runs."""
+__all__ = ["HaiFSDPOptions", "hai_fsdp_options", "wrap_hai_fsdp"]
 
 _PASSED = ("limit_all_gathers", "forward_prefetch", "use_orig_params", "sync_module_states", "ignored_modules")
 """torch FSDP keywords (Lightning's ``**kwargs``) that the wrapper takes as they are."""
@@ -67,7 +67,7 @@ class HaiFSDPOptions:
     Attributes:
         wrapper: keywords of :class:`FullyShardedDataParallel` (but ``mixed_precision``, ``device_id`` and those
             below).
-        sharding_strategy: what is sharded (see :data:`SHARDING_STRATEGIES`).
+        sharding_strategy: what is sharded.
         mixed_precision: the user's policy; ``None``: derived from the Trainer's or Fabric's ``precision``.
         torch_mixed_precision_given: the user's policy as given, when it is torch's ``MixedPrecision``.
         activation_checkpointing: the modules whose activations are recomputed in backward (``None``: none).
@@ -75,7 +75,7 @@ class HaiFSDPOptions:
     """
 
     wrapper: dict[str, Any] = field(default_factory=dict)
-    sharding_strategy: str = "FULL_SHARD"
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     mixed_precision: MixedPrecision | None = None
     torch_mixed_precision_given: TorchMixedPrecision | None = None
     activation_checkpointing: CheckpointPolicy | None = None
@@ -91,7 +91,7 @@ class HaiFSDPOptions:
     def torch_attributes(self) -> tuple[ShardingStrategy, CPUOffload]:
         """``sharding_strategy`` and ``cpu_offload`` as torch's objects: the public attributes of Lightning's
         ``FSDPStrategy``, which users compare with torch's enum."""
-        return ShardingStrategy[self.sharding_strategy], CPUOffload(offload_params=self.cpu_offload)
+        return TorchShardingStrategy[self.sharding_strategy.name], CPUOffload(offload_params=self.cpu_offload)
 
     def torch_mixed_precision(self, precision: str) -> TorchMixedPrecision | None:
         """:meth:`mixed_precision_for` as torch's ``MixedPrecision`` (Lightning's ``mixed_precision_config``): the
@@ -130,14 +130,15 @@ def hai_fsdp_options(
     check_bool("reshard_after_forward", reshard_after_forward)
     if param_init_fn is not None and not callable(param_init_fn):
         raise TypeError(f"param_init_fn={param_init_fn!r} must be a function fn(module) or None")
-    sharding = sharding_strategy_name(sharding_strategy)
+    sharding = parse_sharding_strategy(sharding_strategy)
+    mesh = check_device_mesh(sharding, device_mesh)
     wrapper = {
         "auto_wrap_policy": auto_wrap_policy,
         "backward_prefetch": _backward_prefetch(backward_prefetch),
         "reshard_after_forward": reshard_after_forward,
         "param_init_fn": param_init_fn,
         **_torch_kwargs(kwargs),
-        **_mesh(device_mesh, sharding),
+        **({} if mesh is None else {"device_mesh": mesh}),
     }
     return HaiFSDPOptions(
         wrapper=wrapper,
@@ -145,41 +146,8 @@ def hai_fsdp_options(
         mixed_precision=_mixed_precision(mixed_precision),
         torch_mixed_precision_given=mixed_precision if isinstance(mixed_precision, TorchMixedPrecision) else None,
         activation_checkpointing=_checkpointing(activation_checkpointing, activation_checkpointing_policy),
-        cpu_offload=_cpu_offload(cpu_offload),
+        cpu_offload=offload_params(cpu_offload),
     )
-
-
-def sharding_strategy_name(value: Any) -> str:
-    """One of :data:`SHARDING_STRATEGIES` from a string (any case) or torch's ``ShardingStrategy``."""
-    if isinstance(value, ShardingStrategy):
-        name = value.name
-    elif isinstance(value, str):
-        name = value.upper() if value.upper() in ShardingStrategy.__members__ else value
-    else:
-        raise TypeError(f"sharding_strategy={value!r} must be a name such as 'FULL_SHARD' or torch's ShardingStrategy")
-    if name not in SHARDING_STRATEGIES:
-        raise ValueError(f"sharding_strategy={value!r} must be one of {', '.join(SHARDING_STRATEGIES)}")
-    return name
-
-
-def _mesh(device_mesh: Any, sharding: str) -> dict[str, Any]:
-    """``device_mesh``: a ``(replicate, shard)`` tuple or a 2-D torch ``DeviceMesh``, for the hybrid strategies.
-    Whether its size matches the world is checked at setup, when the world is known."""
-    if device_mesh is None:
-        return {}
-    if "HYBRID" not in sharding:
-        raise ValueError(
-            f"device_mesh={device_mesh!r} describes hybrid sharding (replicate, shard) but sharding_strategy="
-            f"{sharding!r}; pass sharding_strategy='HYBRID_SHARD' (or '_HYBRID_SHARD_ZERO2'), or leave device_mesh out"
-        )
-    shape = isinstance(device_mesh, tuple | list) and len(device_mesh) == 2
-    shape = shape and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in device_mesh)
-    if not shape and not (isinstance(device_mesh, DeviceMesh) and device_mesh.ndim == 2):
-        raise TypeError(
-            f"device_mesh={device_mesh!r} must be a (replicate, shard) tuple of two positive ints or a 2-D torch "
-            "DeviceMesh"
-        )
-    return {"device_mesh": tuple(device_mesh) if shape else device_mesh}
 
 
 def _backward_prefetch(value: Any) -> BackwardPrefetch | None:
@@ -251,14 +219,6 @@ def _checkpointing(classes: Any, policy: Any) -> CheckpointPolicy | None:
     if policy is not None:
         check_ac_policy(policy)
     return policy
-
-
-def _cpu_offload(value: Any) -> bool:
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, CPUOffload):
-        return value.offload_params
-    raise TypeError(f"cpu_offload={value!r} must be True, False or torch.distributed.fsdp.CPUOffload(offload_params=)")
 
 
 def wrap_hai_fsdp(

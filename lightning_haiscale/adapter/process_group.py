@@ -1,4 +1,5 @@
-"""A process-group store that a torchrun restart cannot confuse with the killed generation's.
+"""The process group of every strategy of this package, on a store that a torchrun restart cannot confuse with the
+killed generation's.
 
 [Note: torchrun's shared store] Since torch 2.4, torchrun's agent hosts one TCPStore for the whole job and its
 workers' ``init_process_group`` uses it (``TORCHELASTIC_USE_AGENT_STORE=True``; the workers connect as
@@ -25,16 +26,39 @@ import secrets
 import socket
 import time
 from datetime import timedelta
+from typing import Any
 
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from torch.distributed import Store, TCPStore
+from torch.distributed.constants import default_pg_timeout
 
-__all__ = ["restart_safe_store"]
+from lightning_haiscale.hfreduce.at_exit import destroy_at_exit
+
+__all__ = ["init_dist_connection", "restart_safe_store"]
 
 log = logging.getLogger(__name__)
 
 _POST = "lightning_haiscale/generation_store"  # key in the agent's store: "<port> <token>"
 _TOKEN = "lightning_haiscale/token"  # key in rank 0's store
 _PROBE = timedelta(seconds=3)  # how long one connection attempt to a posted store may take
+
+
+def init_dist_connection(
+    environment: ClusterEnvironment, backend: str, timeout: timedelta | None, root_device: torch.device
+) -> None:
+    """Lightning's ``_init_dist_connection`` (as ``"ddp"`` calls it), on a store that survives torchrun's
+    restarts: under torchrun's shared store, a generation's own (see :func:`restart_safe_store`).
+    The group it creates is destroyed at exit (see [Note: a finished job exits 0] in hfreduce/at_exit.py)."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    store = restart_safe_store(environment.global_rank(), environment.world_size(), timeout or default_pg_timeout)
+    kwargs: dict[str, Any] = {} if store is None else {"store": store}
+    device_id = root_device if root_device.type != "cpu" else None  # eager NCCL init, as "ddp"
+    _init_dist_connection(environment, backend, timeout=timeout, device_id=device_id, **kwargs)
+    destroy_at_exit()
 
 
 def restart_safe_store(rank: int, world_size: int, timeout: timedelta) -> Store | None:
