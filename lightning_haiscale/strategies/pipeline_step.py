@@ -33,6 +33,7 @@ each microbatch's loss is weighted by its share of the rows, so the gradient is 
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
@@ -50,11 +51,22 @@ __all__ = [
     "LogRecorder",
     "PipelinedStep",
     "StageProxy",
+    "StandInMode",
     "capture_inputs",
     "shadowed",
 ]
 
-_IDLE, _CAPTURE, _REPLAY = range(3)
+
+class StandInMode(enum.Enum):
+    """What a call of the network's stand-in does; one mode at a time, entered and left only by ``_in_mode``."""
+
+    IDLE = enum.auto()
+    """Outside a pipelined step: a call is a mistake, and raises saying where the network may be called."""
+    CAPTURE = enum.auto()
+    """Before the step's first run: the call raises :class:`InputsCaptured` with its arguments, the pipeline's
+    inputs."""
+    REPLAY = enum.auto()
+    """While the step's code runs again after the pipeline: the call returns the pipeline's output."""
 
 
 class InputsCaptured(Exception):
@@ -69,18 +81,18 @@ class _StandIn:
     """Stands in for the network inside step code: captures its call or replays its output, never computes."""
 
     def _init_stand_in(self) -> None:
-        self._mode = _IDLE
+        self._mode = StandInMode.IDLE
         self._output: Any = None
         self._calls = 0
 
     @contextlib.contextmanager
     def capturing(self) -> Generator[None, None, None]:
-        with self._in_mode(_CAPTURE, None):
+        with self._in_mode(StandInMode.CAPTURE, None):
             yield
 
     @contextlib.contextmanager
     def replaying(self, output: Any) -> Generator[None, None, None]:
-        with self._in_mode(_REPLAY, output):
+        with self._in_mode(StandInMode.REPLAY, output):
             yield
             if self._calls != 1:
                 raise RuntimeError(
@@ -89,18 +101,18 @@ class _StandIn:
                 )
 
     @contextlib.contextmanager
-    def _in_mode(self, mode: int, output: Any) -> Generator[None, None, None]:
+    def _in_mode(self, mode: StandInMode, output: Any) -> Generator[None, None, None]:
         self._mode, self._output, self._calls = mode, output, 0
         try:
             yield
         finally:
-            self._mode, self._output = _IDLE, None
+            self._mode, self._output = StandInMode.IDLE, None
 
     def _stand_in_call(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._calls += 1
-        if self._mode == _CAPTURE:
+        if self._mode is StandInMode.CAPTURE:
             raise InputsCaptured(inputs, kwargs)
-        if self._mode == _REPLAY:
+        if self._mode is StandInMode.REPLAY:
             return self._output
         raise RuntimeError(
             "this network is split across pipeline stages; call it only inside the training, validation, test "
