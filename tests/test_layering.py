@@ -15,7 +15,7 @@ import lightning_haiscale
 ROOT = Path(lightning_haiscale.__file__).parent
 
 ENGINE = {"_C", "hfreduce"}
-PLAIN = {"ddp", "fsdp", "pipeline", "cpu_offload", "use_counts", "clip_grad", "grad_sync"}
+PLAIN = {"ddp", "fsdp", "pipeline", "cpu_offload", "use_counts", "clip_grad", "grad_sync", "rank_layout"}
 CORE = {"adapter"}  # the adapter core: below both Lightning faces, above the plain layer
 FACES = {"strategies", "fabric", "callbacks"}
 TOOLS = {"testing"}  # helpers for tests and benchmarks: may import the engine, the plain layer and Lightning

@@ -6,9 +6,9 @@ replicate_group)`` pair, or, by default, the hosts hfreduce discovers: shard wit
 Without a mesh, ``HYBRID_SHARD`` shards over each host's ranks and replicates over the ranks with the same
 local index on every host, as torch FSDP does: every step's all-gather and reduce-scatter run in one host's
 shared memory, and only the all-reduce of each rank's gradient shard crosses hosts (``HFREDUCE_NODE_ID``
-simulates hosts). A ``(R, S)`` shape or mesh groups consecutive ranks: shard group ``i`` is ranks
-``[i*S, (i+1)*S)``, replicate group ``j`` is ranks ``j, j+S, ...``: with ``S`` ranks per host that is the
-default again.
+simulates hosts). A ``(R, S)`` shape or mesh groups consecutive ranks (``RankLayout``'s [Note: rank
+order]): shard group ``i`` is ranks ``[i*S, (i+1)*S)``, replicate group ``j`` is ranks ``j, j+S, ...``: with
+``S`` ranks per host that is the default again.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_haiscale.fsdp.sharding import ShardingStrategy
 from lightning_haiscale.hfreduce.topology import Topology
+from lightning_haiscale.rank_layout import RankLayout
 
 __all__ = ["ShardGroups", "check_device_mesh", "hybrid_groups", "strategy_groups"]
 
@@ -71,8 +72,8 @@ def hybrid_groups(
     if device_mesh is None:
         shard_lists = _hosts(group, ranks)
     else:
-        replicate, shard = _shape(device_mesh, len(ranks))
-        shard_lists = [ranks[i * shard : (i + 1) * shard] for i in range(replicate)]
+        layout = RankLayout(len(ranks), replicate_size=_shape(device_mesh, len(ranks))[0])
+        shard_lists = [[ranks[r] for r in shard] for shard in layout.shard_groups()]
     return _groups(shard_lists)
 
 

@@ -20,6 +20,7 @@ from lightning_haiscale.pipeline.module_stage import split_module
 from lightning_haiscale.pipeline.split import find_blocks, plan_split, trace_module
 from lightning_haiscale.pipeline.ties import Tie, find_ties
 from lightning_haiscale.pipeline.trace import Trace
+from lightning_haiscale.rank_layout import RankLayout
 
 __all__ = ["SequentialModel", "make_subgroups", "partition", "stage_layer_counts"]
 
@@ -196,25 +197,13 @@ def _synchronize(device: torch.device) -> None:
 def make_subgroups(pp_size: int, timeout: timedelta | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Returns this rank's ``(dp_group, pp_group)`` for ``world_size / pp_size`` pipelines of ``pp_size`` stages.
 
-    [Note: layout] Pipelines are consecutive ranks: pipeline ``i`` is ranks ``i*pp_size ... i*pp_size +
-    pp_size - 1`` and its stage ``s`` is rank ``i*pp_size + s``. The data-parallel group of stage ``s`` is
-    ``s, s + pp_size, s + 2*pp_size, ...``. With hosts of ``pp_size`` ranks each pipeline stays inside a
-    host (point-to-point traffic on shared memory) and gradients all-reduce across hosts. Collective:
-    every rank calls it. ``timeout`` bounds every operation of the new groups.
+    Pipelines are consecutive ranks: pipeline ``i`` is ranks ``i*pp_size ... i*pp_size + pp_size - 1`` and its
+    stage ``s`` is rank ``i*pp_size + s``; the data-parallel group of stage ``s`` is ``s, s + pp_size, ...``
+    (``RankLayout``'s [Note: rank order]). With hosts of ``pp_size`` ranks each pipeline stays inside a host
+    (point-to-point traffic on shared memory) and gradients all-reduce across hosts. Collective: every rank
+    calls it. ``timeout`` bounds every operation of the new groups.
     """
     if not dist.is_initialized():
         raise RuntimeError("make_subgroups needs torch.distributed initialized (dist.init_process_group)")
-    world = dist.get_world_size()
-    if pp_size < 1 or world % pp_size:
-        raise ValueError(f"pp_size={pp_size} must divide the world size {world}")
-    rank = dist.get_rank()
-    pp_group = dp_group = None
-    for i in range(world // pp_size):
-        group = dist.new_group(list(range(i * pp_size, (i + 1) * pp_size)), timeout=timeout)
-        if rank // pp_size == i:
-            pp_group = group
-    for s in range(pp_size):
-        group = dist.new_group(list(range(s, world, pp_size)), timeout=timeout)
-        if rank % pp_size == s:
-            dp_group = group
-    return dp_group, pp_group
+    groups = RankLayout(dist.get_world_size(), pp_size=pp_size).groups(timeout)
+    return groups.data_parallel, groups.pipeline

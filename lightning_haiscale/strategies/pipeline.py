@@ -40,9 +40,10 @@ from typing_extensions import override
 
 from lightning_haiscale.adapter.registry import register_once
 from lightning_haiscale.ddp import DistributedDataParallel
-from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline, make_subgroups
+from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline
 from lightning_haiscale.pipeline.pipelines import recorded_ties
 from lightning_haiscale.pipeline.ties import ties_within_a_rank
+from lightning_haiscale.rank_layout import RankLayout
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy
 from lightning_haiscale.strategies.pipeline_arguments import check_pipeline_arguments
 from lightning_haiscale.strategies.pipeline_checkpoint import LoadedCheckpoint, PipelineCheckpoints
@@ -58,7 +59,7 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
     Args:
         chunks: microbatches per batch (must divide the training batch size).
         pp_size: stages per pipeline; ``world_size / pp_size`` pipelines train data parallel (default: one
-            pipeline over the world). Pipelines are consecutive ranks (see ``make_subgroups``).
+            pipeline over the world). Pipelines are consecutive ranks (see ``RankLayout``).
         balance: layers per stage, or ``None`` to balance parameter counts, or ``"time"`` (with
             ``example_inputs``) to balance measured layer time.
         num_model_chunks: model chunks per rank (interleaved schedules).
@@ -111,22 +112,27 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
     # ----- topology ----------------------------------------------------------------------------------
 
     @property
+    def rank_layout(self) -> RankLayout:
+        """Where each rank sits: ``world_size / pp_size`` pipelines of ``pp_size`` consecutive ranks."""
+        return RankLayout(self.world_size, pp_size=self.stages_per_pipeline)
+
+    @property
     def stages_per_pipeline(self) -> int:
         return self.pp_size or self.world_size
 
     @property
     def pp_rank(self) -> int:
-        return self.global_rank % self.stages_per_pipeline
+        return self.rank_layout.stage(self.global_rank)
 
     @property
     def dp_rank(self) -> int:
-        return self.global_rank // self.stages_per_pipeline
+        return self.rank_layout.dp_rank(self.global_rank)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every stage of a pipeline reads the same batch: shard by data-parallel rank."""
-        return {"num_replicas": self.world_size // self.stages_per_pipeline, "rank": self.dp_rank}
+        return {"num_replicas": self.rank_layout.dp_size, "rank": self.dp_rank}
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
@@ -155,9 +161,8 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.world_size % self.stages_per_pipeline:
-            raise ValueError(f"pp_size={self.pp_size} must divide the world size {self.world_size}")
-        self._dp_group, self._pp_group = make_subgroups(self.stages_per_pipeline, timeout=self._timeout)
+        groups = self.rank_layout.groups(self._timeout)
+        self._dp_group, self._pp_group = groups.data_parallel, groups.pipeline
 
     # ----- model -------------------------------------------------------------------------------------
 
