@@ -39,15 +39,18 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_haiscale.adapter.registry import register_once
+from lightning_haiscale.clip_grad import clip_grad_norm_
 from lightning_haiscale.ddp import DistributedDataParallel
+from lightning_haiscale.fsdp import FullyShardedDataParallel
 from lightning_haiscale.pipeline import GPipe, Interleaved1F1B, PipeDream, Pipeline
 from lightning_haiscale.pipeline.pipelines import recorded_ties
 from lightning_haiscale.pipeline.ties import ties_within_a_rank
-from lightning_haiscale.rank_layout import RankLayout
+from lightning_haiscale.rank_layout import RankGroups, RankLayout
 from lightning_haiscale.strategies.parallel import HaiParallelStrategy
 from lightning_haiscale.strategies.pipeline_arguments import check_pipeline_arguments
 from lightning_haiscale.strategies.pipeline_checkpoint import LoadedCheckpoint, PipelineCheckpoints
 from lightning_haiscale.strategies.pipeline_network import Network, find_network, first_batch_inputs, split_network
+from lightning_haiscale.strategies.pipeline_sharding import ShardedStages, check_data_parallel, sharded_layout
 from lightning_haiscale.strategies.pipeline_step import ForwardStandIn, PipelinedStep, StageProxy
 
 __all__ = ["GPipeStrategy", "Interleaved1F1BStrategy", "PipeDreamStrategy"]
@@ -69,6 +72,13 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
         example_inputs: a batch's network inputs, for ``balance="time"``.
         split_points: names of the blocks that begin each stage after the first, from the LightningModule
             (``["model.transformer.h.6"]``): cuts any module at its blocks (see ``pipeline_network``).
+        data_parallel: how the ``world_size / pp_size`` pipelines train together: ``"ddp"`` replicates each
+            stage, ``"fsdp"`` shards its parameters, gradients and optimizer state over them (PP x FSDP, see
+            ``pipeline_sharding``).
+        sharding_strategy, auto_wrap_policy, activation_checkpointing_policy, device_mesh: with
+            ``data_parallel="fsdp"``, ``hai_fsdp``'s: ``FULL_SHARD`` (default), ``SHARD_GRAD_OP`` or
+            ``HYBRID_SHARD`` (a stage sharded within a host, replicated across hosts; ``device_mesh=(replicate,
+            shard)`` over the pipelines sets the split), the units of each stage, the blocks recomputed in backward.
         **kwargs: passed to :class:`HaiParallelStrategy`: ``timeout`` (for every collective and point-to-point
             transfer), ``process_group_backend``, and what the Trainer sets.
     """
@@ -87,6 +97,11 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
         module_name: str | None = None,
         example_inputs: tuple[Any, ...] | None = None,
         split_points: Sequence[str] | None = None,
+        data_parallel: str = "ddp",
+        sharding_strategy: Any = None,
+        auto_wrap_policy: Any = None,
+        activation_checkpointing_policy: Any = None,
+        device_mesh: tuple[int, int] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -95,6 +110,14 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
             balance=balance, num_model_chunks=num_model_chunks, checkpoint=checkpoint, module_name=module_name,
             example_inputs=example_inputs, split_points=split_points,
         )  # fmt: skip
+        sharding = {
+            "sharding_strategy": sharding_strategy,
+            "auto_wrap_policy": auto_wrap_policy,
+            "activation_checkpointing_policy": activation_checkpointing_policy,
+            "device_mesh": device_mesh,
+        }
+        self._sharding = check_data_parallel(type(self).__name__, data_parallel, sharding)
+        self.data_parallel = data_parallel
         self.split_points = list(split_points) if split_points is not None else None
         self.chunks, self.pp_size, self.balance = chunks, pp_size, balance
         self.num_model_chunks, self.checkpoint, self.module_name = num_model_chunks, checkpoint, module_name
@@ -107,14 +130,18 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
         self._saved_layers: list[str] | None = None
         self._loaded: LoadedCheckpoint | None = None  # what load_checkpoint read
         self._network: Network | None = None
+        self._layout: RankLayout | None = None  # after setup_environment (hybrid sharding asks the hosts)
+        self._groups: RankGroups | None = None
+        self._sharded: ShardedStages | None = None  # the stages as sharded by data_parallel="fsdp"
         self._forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
     # ----- topology ----------------------------------------------------------------------------------
 
     @property
     def rank_layout(self) -> RankLayout:
-        """Where each rank sits: ``world_size / pp_size`` pipelines of ``pp_size`` consecutive ranks."""
-        return RankLayout(self.world_size, pp_size=self.stages_per_pipeline)
+        """Where each rank sits: ``world_size / pp_size`` pipelines of ``pp_size`` consecutive ranks (and, for
+        hybrid sharding, their replicas; known after ``setup_environment``)."""
+        return self._layout or RankLayout(self.world_size, pp_size=self.stages_per_pipeline)
 
     @property
     def stages_per_pipeline(self) -> int:
@@ -161,8 +188,11 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        groups = self.rank_layout.groups(self._timeout)
-        self._dp_group, self._pp_group = groups.data_parallel, groups.pipeline
+        layout = RankLayout(self.world_size, pp_size=self.stages_per_pipeline)
+        if self._sharding is not None:
+            layout = sharded_layout(self._sharding, self.world_size, self.stages_per_pipeline)
+        self._layout, self._groups = layout, layout.groups(self._timeout)
+        self._dp_group, self._pp_group = self._groups.data_parallel, self._groups.pipeline
 
     # ----- model -------------------------------------------------------------------------------------
 
@@ -214,7 +244,21 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
     def _wrap_stages(self, fitting: bool) -> list[nn.Module]:
         if not fitting or self.world_size == self.stages_per_pipeline:
             return list(self._stages)
-        shared = ties_within_a_rank(recorded_ties(self._stages)[0], self.stages_per_pipeline)
+        ties = recorded_ties(self._stages)[0]
+        if self._sharding is not None:
+            if ties:  # every rank knows every tie: all raise, before any collective
+                raise ValueError(
+                    f"{type(self).__name__}(data_parallel='fsdp'): {ties[0].describe()} is one parameter held by "
+                    "two model chunks, whose copies would be sharded differently; tied parameters across stages "
+                    "are not supported with sharded stages yet. Untie it, choose split_points that keep its uses "
+                    "in one stage, or use data_parallel='ddp'"
+                )
+            self._sharded = ShardedStages.wrap(
+                self._stages, self._sharding, self.rank_layout, self._groups, self.root_device, self._timeout,
+                str(self.precision_plugin.precision),
+            )  # fmt: skip
+            return list(self._sharded.wrappers)
+        shared = ties_within_a_rank(ties, self.stages_per_pipeline)
         if shared:  # every rank knows every tie: all raise, before any collective
             raise ValueError(
                 f"{type(self).__name__}(pp_size={self.pp_size}) trains {self.world_size // self.stages_per_pipeline} "
@@ -234,7 +278,11 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
 
     @override
     def clip_grad_norm_(self, max_norm: float) -> None:
-        self._pipeline.clip_grad_norm_(max_norm)
+        if self._sharded is None:
+            self._pipeline.clip_grad_norm_(max_norm)
+            return
+        groups = (self._sharded.shard_group, self._pp_group)  # a stage's shards, then the pipeline's stages
+        clip_grad_norm_(self._pipeline.parameters(), max_norm, process_group=groups)
 
     # ----- steps -------------------------------------------------------------------------------------
 
@@ -281,7 +329,7 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
     @override
     def teardown(self) -> None:
         for stage in self._pipeline.stages if self._pipeline is not None else []:
-            if isinstance(stage, DistributedDataParallel):
+            if isinstance(stage, DistributedDataParallel | FullyShardedDataParallel):
                 stage.close()
         if self._step is not None:
             self._step.close()

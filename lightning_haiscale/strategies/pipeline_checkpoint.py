@@ -28,11 +28,13 @@ import glob
 import os
 import secrets
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_haiscale.adapter.checkpoint_io import check_file_targets, check_optimizer_count, save_file
@@ -196,10 +198,22 @@ class LoadedCheckpoint:
 class PipelineCheckpoints:
     """The pipeline strategies' checkpoint hooks (mixed into ``_PipelineStrategy`` before Lightning's base)."""
 
+    def _full_parameters(self, writeback: bool = False) -> AbstractContextManager[None]:
+        """Inside, sharded stages hold their whole parameters (collective over the data-parallel ranks; see
+        ``pipeline_sharding`` [Note: full forms of sharded stages])."""
+        return self._sharded.full_parameters(writeback) if self._sharded is not None else nullcontext()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """``optimizer.state_dict()``, sharded stages' states whole (collective over the data-parallel ranks)."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        return self._sharded.optimizer_state(optimizer) if self._sharded is not None else optimizer.state_dict()
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full module's state dict, gathered from the stages of this rank's pipeline."""
-        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        with self._full_parameters():
+            local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
         if self.stages_per_pipeline == 1:
             return local
         parts: list[Any] = [None] * self.stages_per_pipeline
@@ -216,9 +230,11 @@ class PipelineCheckpoints:
         check_file_targets(self.broadcast, self.is_global_zero, [filepath, *stage_files])
         save_id = self.broadcast(secrets.token_hex(_SAVE_ID_BYTES))
         optimizers = self._whole_optimizer_states(checkpoint)
+        with self._full_parameters():
+            stage_state = {k: v.detach().cpu() for k, v in self._proxy.state_dict().items()}
         if self.dp_rank == 0:
             names = optimizer_param_names(self.lightning_module, self.optimizers)
-            stage = stage_checkpoint(self._proxy.state_dict(), self.module_name, checkpoint, names, save_id)
+            stage = stage_checkpoint(stage_state, self.module_name, checkpoint, names, save_id)
             uncommitted = stage_path(filepath, self.pp_rank, save_id)  # checkpoint_io creates the folder
             save_file(self.checkpoint_io, stage, uncommitted, storage_options)
         self.barrier()
@@ -291,7 +307,10 @@ class PipelineCheckpoints:
             check_optimizer_count(len(self.optimizers), len(saved))
         states = list(checkpoint["optimizer_states"]) if same_layout else self._states_by_name(loaded)
         for optimizer, state in zip(self.optimizers, states, strict=True):
-            optimizer.load_state_dict(state)
+            if self._sharded is not None:
+                self._sharded.load_optimizer_state(optimizer, state)
+            else:
+                optimizer.load_state_dict(state)
         self._optimizer_states_to_device()
 
     def _states_by_name(self, loaded: LoadedCheckpoint) -> list[dict[str, Any]]:
@@ -344,5 +363,6 @@ class PipelineCheckpoints:
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Loads this stage's slice of a full state dict (from any number of stages, or none)."""
         module = self.lightning_module
-        state = stage_slice(checkpoint["state_dict"], module.state_dict().keys(), strict)
-        module.load_state_dict(state, strict=strict)
+        with self._full_parameters(writeback=True):
+            state = stage_slice(checkpoint["state_dict"], module.state_dict().keys(), strict)
+            module.load_state_dict(state, strict=strict)

@@ -56,7 +56,11 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], tuple[str, Any]]] = {  # in thi
     "hai_ddp": ("lightning_haiscale.HaiDDPStrategy", {"bucket_cap_mb": 50}, ("_hai_kwargs", {"bucket_cap_mb": 50})),
     "hai_pipedream": ("lightning_haiscale.PipeDreamStrategy", {"chunks": 2, "balance": "time"}, ("balance", "time")),
     "hai_fsdp": ("lightning_haiscale.HaiFSDPStrategy", {"state_dict_type": "sharded"}, ("state_dict_type", "sharded")),
-    "hai_gpipe": ("lightning_haiscale.GPipeStrategy", {"chunks": 2}, ("chunks", 2)),
+    "hai_gpipe": (
+        "lightning_haiscale.GPipeStrategy",
+        {"chunks": 2, "data_parallel": "fsdp", "sharding_strategy": "SHARD_GRAD_OP"},  # PP x FSDP
+        ("data_parallel", "fsdp"),
+    ),
     "hai_interleaved_1f1b": ("lightning_haiscale.Interleaved1F1BStrategy", {"chunks": 2}, ("chunks", 2)),
 }
 FORMS = ("name", "command_line", "yaml")
@@ -138,6 +142,9 @@ _COMMON = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint
 _HAI_PARALLEL = {*_COMMON, "timeout", "process_group_backend"}
 _PIPELINE = {*_HAI_PARALLEL, "chunks", "pp_size", "balance", "num_model_chunks", "checkpoint", "module_name"}
 _PIPELINE.add("split_points")
+_PIPELINE.update(
+    {"data_parallel", "sharding_strategy", "auto_wrap_policy", "activation_checkpointing_policy", "device_mesh"}
+)
 HELP: dict[str, set[str]] = {
     "lightning_haiscale.HaiDDPStrategy": {
         *_COMMON,

@@ -51,6 +51,7 @@ def fit(
     ckpt_path: str | None = None,
     steps: int = STEPS,
     rows: int = BATCH * STEPS * 2,
+    num_nodes: int = 1,
     **kwargs: Any,
 ) -> L.Trainer:
     options = {
@@ -66,7 +67,10 @@ def fit(
         "default_root_dir": tmp,
         "precision": "64-true",  # float64: compared with reference(..., dtype=DTYPE) at FLOAT64_TOLERANCES
     }
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=dist.get_world_size(), **{**options, **kwargs})
+    devices = dist.get_world_size() // num_nodes
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, num_nodes=num_nodes, **{**options, **kwargs}
+    )
     module = Classifier()
     train, val = DataLoader(data(rows), batch_size=BATCH), DataLoader(data(), batch_size=BATCH)
     trainer.fit(module, train, val, ckpt_path=ckpt_path)
