@@ -116,3 +116,22 @@ def test_pp_x_fsdp_checkpoints_resume_under_other_layouts(tmp_path: Any) -> None
 def test_bad_sharding_arguments_are_named(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         PipeDreamStrategy(chunks=2, **kwargs)
+
+
+def _hugging_face(rank: int, world: int) -> None:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from tests.strategies import real_models
+
+    make, loss = real_models.MODELS["llama"]
+    expected, _ = real_models.one_process(make, loss, dp=2)
+    strategy = PipeDreamStrategy(chunks=2, pp_size=2, data_parallel="fsdp", auto_wrap_policy={LlamaDecoderLayer})
+    trainer = real_models.fit(make, loss, strategy, dp=2, dp_rank=rank // 2)
+    real_models.check(trainer.strategy.lightning_module_state_dict(), expected, "llama", "llama pp 2 x fsdp 2")
+    make, loss = real_models.MODELS["gpt2"]  # its head is tied to the embedding: the first and last stage's
+    with pytest.raises(ValueError, match=r"data_parallel='fsdp'.*tied parameters across stages are not supported"):
+        real_models.fit(make, loss, PipeDreamStrategy(chunks=2, **SHARDED), dp=2, dp_rank=rank // 2)
+
+
+def test_an_unmodified_hugging_face_model_under_pp_x_fsdp() -> None:
+    run_distributed(_hugging_face, 4, timeout=600)
