@@ -23,16 +23,16 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_haiscale.hfreduce import shared_memory
+from lightning_haiscale.hfreduce import segments
 from lightning_haiscale.hfreduce._native import load_engine
 from lightning_haiscale.hfreduce.at_exit import close_at_exit
 from lightning_haiscale.hfreduce.backend import Backend
 from lightning_haiscale.hfreduce.cuda_staging import CudaStaging
 from lightning_haiscale.hfreduce.dtypes import engine_dtype
-from lightning_haiscale.hfreduce.fallback import TorchBackend
 from lightning_haiscale.hfreduce.hierarchical import HierarchicalBackend
-from lightning_haiscale.hfreduce.shm import ShmBackend
+from lightning_haiscale.hfreduce.shm_backend import ShmBackend
 from lightning_haiscale.hfreduce.topology import Topology
+from lightning_haiscale.hfreduce.torch_backend import TorchBackend
 from lightning_haiscale.hfreduce.work import Work
 
 ReduceOp = Literal["sum", "avg"]
@@ -72,7 +72,7 @@ class Communicator:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.timeout = timeout
-        self.topology = Topology.discover(self.group, shared_memory.shm_free_bytes())
+        self.topology = Topology.discover(self.group, segments.shm_free_bytes())
         self._check_uniform_hosts()
         self._backend = self._choose_backend(chunk_bytes, allow_fallback)
         self._engine = self._backend if self._backend.queues_on_engine else None  # see [Note: routing]

@@ -21,8 +21,8 @@ from lightning_haiscale.hfreduce.errors import (
     HFReduceMismatchError,
     HFReducePeerError,
 )
-from lightning_haiscale.hfreduce.fallback import all_gather_tensor, global_rank, reduce_scatter_tensor
-from lightning_haiscale.hfreduce.shm import ShmBackend
+from lightning_haiscale.hfreduce.shm_backend import ShmBackend
+from lightning_haiscale.hfreduce.torch_backend import all_gather_tensor, global_rank, reduce_scatter_tensor
 
 _CROSS_POLL_S = 0.0002  # how often a wait on another host checks for an abort (gloo takes >= 1 ms here)
 

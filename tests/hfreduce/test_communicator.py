@@ -26,7 +26,7 @@ from lightning_haiscale.hfreduce import (
     HFReduceTimeoutError,
     SharedMemoryTooSmallError,
     engine_cpu_seconds,
-    shared_memory,
+    segments,
 )
 from tests.distributed import run_distributed
 
@@ -194,7 +194,7 @@ def test_bad_input_raises_before_any_collective() -> None:
 
 
 def _small_shm(rank: int, world: int) -> str:
-    shared_memory.shm_free_bytes = lambda: 1 << 20
+    segments.shm_free_bytes = lambda: 1 << 20
     with pytest.raises(SharedMemoryTooSmallError, match="--shm-size"):
         Communicator()
     with pytest.warns(UserWarning, match="falling back to torch.distributed"):

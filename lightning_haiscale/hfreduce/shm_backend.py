@@ -22,7 +22,7 @@ from lightning_haiscale.hfreduce.errors import (
     HFReducePeerError,
     HFReduceTimeoutError,
 )
-from lightning_haiscale.hfreduce.shared_memory import create_shared, shm_too_small
+from lightning_haiscale.hfreduce.segments import create_shared, shm_too_small
 from lightning_haiscale.hfreduce.topology import Topology
 
 _SPIN_ITERS = 2000  # ~50-100 µs of busy-waiting before sleeping, only when every rank has a core
