@@ -99,41 +99,43 @@ def split_network(
 def _first_call(strategy: Any, network: nn.Module) -> tuple[tuple, dict] | None:
     """The network's call in ``training_step`` on the first microbatch of the first training batch, the same
     on every rank; ``None`` when not fitting (the order of registration decides then)."""
-    module = strategy.lightning_module
-    trainer = module.trainer
-    if trainer.state.fn != TrainerFn.FITTING:
+    trainer = strategy.lightning_module.trainer
+    batch = _first_training_batch(trainer) if trainer.state.fn == TrainerFn.FITTING else None
+    if batch is None:
         return None
-    trainer.fit_loop.setup_data()  # the loop reuses it: the dataloader is requested once
-    if trainer.train_dataloader is None:
-        return None
-    batch = next(iter(CombinedLoader(trainer.train_dataloader, "max_size_cycle")))[0]
     batch = split_batch(batch, strategy.chunks, even=False)[0]  # on the CPU, as the network still is
-    proxy = ForwardStandIn()
-    with shadowed(network, "forward", proxy):
-        call = capture_inputs(module, proxy, module.training_step, (batch, 0), {})
-    return call
+    return _call_in_training_step(strategy.lightning_module, network, batch)
 
 
 def first_batch_inputs(strategy: Any, name: str, network: nn.Sequential) -> tuple[Any, ...]:
     """``balance="time"`` without ``example_inputs``: the network's inputs for the first training batch,
     found by running ``training_step`` up to the network call (as every step is captured)."""
-    module = strategy.lightning_module
-    trainer = module.trainer
+    trainer = strategy.lightning_module.trainer
     if trainer.state.fn != TrainerFn.FITTING:
         raise ValueError(
             f"balance='time' profiles the layers on the first training batch; to {trainer.state.fn} a module "
             "never partitioned by this strategy, pass example_inputs=(a batch's network inputs,)"
         )
-    trainer.fit_loop.setup_data()  # the loop reuses it: the dataloader is requested once
-    if trainer.train_dataloader is None:
+    batch = _first_training_batch(trainer)
+    if batch is None:
         raise ValueError("balance='time' needs example_inputs=(a batch's network inputs,) or a training dataloader")
-    batch = next(iter(CombinedLoader(trainer.train_dataloader, "max_size_cycle")))[0]
-    proxy = StageProxy(OrderedDict(network._modules.items()))
-    setattr(module, name, proxy)
-    try:
-        call = capture_inputs(module, proxy, module.training_step, (batch, 0), {})
-    finally:
-        setattr(module, name, network)
-    if call is not None:
-        return call[0]
-    raise RuntimeError(f"training_step never called the network {name!r}, so balance='time' has nothing to time")
+    call = _call_in_training_step(strategy.lightning_module, network, batch)
+    if call is None:
+        raise RuntimeError(f"training_step never called the network {name!r}, so balance='time' has nothing to time")
+    return call[0]
+
+
+def _first_training_batch(trainer: pl.Trainer) -> Any | None:
+    """The first training batch (``None`` without a training dataloader); the fit loop reuses the dataloader,
+    so it is requested once."""
+    trainer.fit_loop.setup_data()
+    if trainer.train_dataloader is None:
+        return None
+    return next(iter(CombinedLoader(trainer.train_dataloader, "max_size_cycle")))[0]
+
+
+def _call_in_training_step(module: pl.LightningModule, network: nn.Module, batch: Any) -> tuple[tuple, dict] | None:
+    """``network``'s inputs in ``module.training_step(batch, 0)``, run up to that call; ``None``: no call."""
+    stand_in = ForwardStandIn()
+    with shadowed(network, "forward", stand_in):
+        return capture_inputs(module, stand_in, module.training_step, (batch, 0), {})
