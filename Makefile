@@ -28,7 +28,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
-# The engine's portable reduce kernels forced (HFREDUCE_KERNELS, see README "Troubleshooting") on the tests that
+# The engine's portable reduce kernels forced (HFREDUCE_KERNELS, see docs/troubleshooting.md) on the tests that
 # run the engine: what a CPU without AVX2 computes. `HFREDUCE_KERNELS=generic make test` runs the whole suite so.
 PORTABLE_TESTS ?= tests/hfreduce tests/ddp tests/test_parity_mutations.py  # about 4-5 min on 2 quiet cores
 test-portable: $(STAMP)

@@ -7,6 +7,14 @@ with CPUOffload(offload_ratio=0.3, tag="MyModel"):
 loss_fn(out, y).backward()
 offload_stats("MyModel").achieved_ratio
 ```
+
+- ``region``: ``CPUOffload``, the public face: options, the tag's record, the hooks of one entry.
+- ``spans``: which saved bytes count, the one rule shared by every ratio.
+- ``run``: one entry's copies and each span's ``SpanState``.
+- ``selection``: which spans to offload (pure logic over sizes).
+- ``pool``: reused host buffers, pinned up to a cap.
+- ``transfer``: copies between device and host, on side streams.
+- ``stats``: per-region statistics (``offload_stats``).
 """
 
 from lightning_haiscale.cpu_offload.pool import HostBuffer, PinnedBufferPool, default_pool

@@ -1,4 +1,21 @@
-"""The hfreduce-style collective engine: shared-memory, SIMD, asynchronous, hierarchical across hosts."""
+"""The hfreduce-style collective engine: shared-memory, SIMD, asynchronous, hierarchical across hosts.
+
+- ``communicator``: ``Communicator``, which checks each call and hands it to the backend chosen at construction.
+- ``backend``: what every backend provides, and how the communicator chooses one.
+- ``shm``: the one-host backend, in the native engine's shared memory.
+- ``hierarchical``: the several-hosts backend: shared memory within each host, gloo between hosts.
+- ``fallback``: the fallback backend, plain ``torch.distributed`` when ``/dev/shm`` cannot hold the engine.
+- ``topology``: which ranks share a host (probe files in ``/dev/shm``, ``HFREDUCE_NODE_ID``).
+- ``cuda_staging``: CUDA tensors staged through host memory.
+- ``shared_memory``: ``/dev/shm`` sizing, and one segment for all local ranks.
+- ``work``: ``Work``, the handle of an asynchronous collective.
+- ``dtypes``: the dtypes the engine reduces, read from its ``DType`` enum.
+- ``errors``: the engine's errors.
+- ``abort``: ``abort_job``: one failing rank ends every rank's collectives.
+- ``liveness``: heartbeats through the store, so a silent host is named.
+- ``at_exit``: what the library started, ended before the interpreter finalizes.
+- ``_native``: loads the native ``lightning_haiscale._C`` on first use.
+"""
 
 from lightning_haiscale.hfreduce._native import engine_cpu_seconds, simd_level
 from lightning_haiscale.hfreduce.abort import abort_job

@@ -8,8 +8,8 @@ fix upstream was abandoned, pytorch#179291), or a daemon thread inside a store c
 So one ``atexit`` hook, run while Python is whole, ends in this order: the communicators still open (the
 engine's threads; those of wrappers a user never closed), the steps other modules register (the abort
 watcher), and the default process group if this library created it (a strategy's; see
-``strategies/parallel.py``), whose destruction joins gloo's threads. A process group the user created is
-the user's to destroy (README, Troubleshooting); a strategy keeps its group until exit, since a later
+``adapter/process_group.py``), whose destruction joins gloo's threads. A process group the user created is
+the user's to destroy (docs/troubleshooting.md); a strategy keeps its group until exit, since a later
 ``fit``/``test`` of the same process reuses it, as Lightning's ``ddp`` does.
 """
 

@@ -58,7 +58,7 @@ def test_lightning_example(name: str, tmp_path: Path) -> None:
 
 
 def test_fabric_pipeline_example(tmp_path: Path) -> None:
-    """The README's pipeline inside a Fabric script."""
+    """docs/fabric.md's pipeline inside a Fabric script."""
     assert "final loss" in _run([sys.executable, "-m", "examples.fabric.pipeline"], tmp_path)
 
 

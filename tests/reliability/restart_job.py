@@ -1,6 +1,6 @@
 """A small Lightning job for torchrun (``python -m torch.distributed.run ... restart_job.py``) that resumes from
 ``last.ckpt`` and can SIGKILL one of its ranks at chosen steps, once each; used by ``test_restarts.py`` and the
-README's restart recipe.
+restart recipe of docs/checkpoints.md.
 
 Usage: ``restart_job.py STRATEGY WORKDIR [KILL ...]``, each KILL a step number or ``save:R:K``. Every
 worker appends ``generation rank pid`` to ``WORKDIR/generations`` when it starts; when the fit ends, each rank

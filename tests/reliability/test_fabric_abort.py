@@ -1,6 +1,6 @@
 """Under Fabric, which has no exception hook for its strategy, a script that calls
 ``lightning_haiscale.hfreduce.abort_job(error)`` where it catches a rank's error stops every peer within a
-second, as the Trainer's ``on_exception`` does (README "Failures"). The failed rank stays alive for
+second, as the Trainer's ``on_exception`` does (docs/troubleshooting.md). The failed rank stays alive for
 ``LINGER_S``: a peer that only noticed its exit would take longer (mutation: without the call, ~6 s)."""
 
 from __future__ import annotations

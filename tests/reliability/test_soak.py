@@ -10,8 +10,8 @@ Lightning's own ``"ddp"`` under the same loop grew 2.9-3.1 MiB per 1,000 steps h
 hai_fsdp 2.1-2.5 with checkpoints off or on), while the model has 1.6 MiB of float32 weights, so keeping one
 copy of its gradients per step would add ~1,600 MiB per 1,000 steps, and one copy of a rank's checkpoint per
 save (every 100 steps: weights and momentum, a shard of them under hai_fsdp) 16-32 MiB. The measured slopes
-are in the README's reliability table. Run it with ``LHS_LONG_TESTS=1 pytest -s tests/reliability/test_soak.py``
-(about 3 min).
+are in docs/checkpoints.md's reliability table. Run it with
+``LHS_LONG_TESTS=1 pytest -s tests/reliability/test_soak.py`` (about 3 min).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ LLAMA = LlamaConfig(
 
 
 class _HFModule(L.LightningModule):
-    """The README's advice for large models: build in ``configure_model``. SGD with lr=0 keeps the start."""
+    """docs/hai_fsdp.md's advice for large models: build in ``configure_model``. SGD with lr=0 keeps the start."""
 
     def __init__(self, build: Any) -> None:
         super().__init__()

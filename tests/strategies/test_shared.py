@@ -35,7 +35,7 @@ from lightning_haiscale.strategies import (
 from lightning_haiscale.strategies.parallel import no_sync_of
 from tests.distributed import run_distributed
 
-# name -> (class, init_params), as users rely on them (README "Configuring")
+# name -> (class, init_params), as users rely on them (docs/configuring.md)
 TRAINER_NAMES = {
     "hai_ddp": (HaiDDPStrategy, {}),
     "hai_ddp_find_unused_parameters_true": (HaiDDPStrategy, {"find_unused_parameters": True}),
