@@ -2,12 +2,12 @@
 
 - ``communicator``: ``Communicator``, which checks each call and hands it to the backend chosen at construction.
 - ``backend``: what every backend provides, and how the communicator chooses one.
-- ``shm``: the one-host backend, in the native engine's shared memory.
+- ``shm_backend``: the one-host backend, in the native engine's shared memory.
 - ``hierarchical``: the several-hosts backend: shared memory within each host, gloo between hosts.
-- ``fallback``: the fallback backend, plain ``torch.distributed`` when ``/dev/shm`` cannot hold the engine.
+- ``torch_backend``: the fallback backend, plain ``torch.distributed`` when ``/dev/shm`` cannot hold the engine.
 - ``topology``: which ranks share a host (probe files in ``/dev/shm``, ``HFREDUCE_NODE_ID``).
 - ``cuda_staging``: CUDA tensors staged through host memory.
-- ``shared_memory``: ``/dev/shm`` sizing, and one segment for all local ranks.
+- ``segments``: ``/dev/shm`` sizing, and one segment for all local ranks.
 - ``work``: ``Work``, the handle of an asynchronous collective.
 - ``dtypes``: the dtypes the engine reduces, read from its ``DType`` enum.
 - ``errors``: the engine's errors.
