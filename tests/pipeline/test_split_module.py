@@ -118,12 +118,9 @@ class _ResidualStreamModel(nn.Module):
         return self.head(hidden + residual)
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-def test_several_tensors_between_blocks_cross_stages_without_being_named(stages: int) -> None:
-    """The residual beside the hidden state and the bias the first block computed reach the next stages (the
-    bias's gradient comes back to the first block): loss and gradients as the unsplit model's."""
-    torch.manual_seed(0)
-    model, x = _ResidualStreamModel().double(), torch.randint(0, 16, (2, 6))
+def _stages_match_the_unsplit_model(model: nn.Module, x: torch.Tensor, stages: int) -> list[nn.Module]:
+    """Splits copies of ``model`` into ``stages`` run in turn on ``x``: the loss's gradients must be the unsplit
+    model's (float64); returns the copies, each holding one stage."""
     reference = copy.deepcopy(model)
     reference(x).square().mean().backward()
     copies = [copy.deepcopy(model) for _ in range(stages)]
@@ -136,6 +133,16 @@ def test_several_tensors_between_blocks_cross_stages_without_being_named(stages:
     grads = {n: p.grad for c in copies for n, p in c.named_parameters() if p.grad is not None}
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)  # float64
+    return copies
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_several_tensors_between_blocks_cross_stages_without_being_named(stages: int) -> None:
+    """The residual beside the hidden state and the bias the first block computed reach the next stages (the
+    bias's gradient comes back to the first block): loss and gradients as the unsplit model's."""
+    torch.manual_seed(0)
+    model, x = _ResidualStreamModel().double(), torch.randint(0, 16, (2, 6))
+    _stages_match_the_unsplit_model(model, x, stages)
 
 
 def test_a_stand_in_is_the_module_without_its_compute() -> None:
@@ -169,18 +176,7 @@ def test_parameters_beside_the_blocks_go_to_the_stage_using_them(stages: int) ->
 
     torch.manual_seed(0)
     model, x = TimmStyleViT().double(), torch.randn(2, 3, 8, 8, dtype=torch.float64)
-    reference = copy.deepcopy(model)
-    reference(x).square().mean().backward()
-    copies = [copy.deepcopy(model) for _ in range(stages)]
-    parts = [partition(copies[r], r, stages, example_inputs=(x,)) for r in range(stages)]
-    activations: tuple[torch.Tensor, ...] = ()
-    for part in parts:
-        out = part(*activations, call=((x,), {}))
-        activations = out if isinstance(out, tuple) else ()
-    out.square().mean().backward()
-    grads = {n: p.grad for c in copies for n, p in c.named_parameters() if p.grad is not None}
-    for name, p in reference.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)  # float64
+    copies = _stages_match_the_unsplit_model(model, x, stages)
     assert {"cls_token", "pos_embed"} <= set(copies[0].state_dict())
     assert not {"cls_token", "pos_embed"} & {n for c in copies[1:] for n in c.state_dict()}
     assert copies[-1].cls_token.shape == (1, 1, 16) and "cls_token" in dict(copies[-1].named_buffers())
