@@ -21,15 +21,14 @@ import argparse
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.timing import median_step_seconds
 from lightning_haiscale.pipeline import PipeDream, partition
 from lightning_haiscale.testing import run_distributed
 
@@ -121,20 +120,9 @@ def _run(args: argparse.Namespace, name: str, rank: int, impl: str) -> float | s
     try:
         params, step = {"ours": _ours, "torch": _torch}[impl](args, name, rank)
         _, _, batch = _build(args, name)
-        optimizer = torch.optim.SGD(params, lr=1e-3)
-        times = []
-        for i in range(args.warmup + args.steps):
-            dist.barrier()
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            step(batch)
-            optimizer.step()
-            dist.barrier()
-            if i >= args.warmup:
-                times.append(time.perf_counter() - start)
+        return median_step_seconds(step, params, batch, args.warmup, args.steps)
     except Exception as error:  # the pair of processes ends here: a failed transfer leaves its group unusable
         return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-    return statistics.median(times)
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, name: str, impl: str) -> float | str:

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.timing import median_step_seconds
 from lightning_haiscale.pipeline import PipeDream, partition
 from lightning_haiscale.testing import run_distributed
 
@@ -122,19 +122,8 @@ def _torch(args: argparse.Namespace, rank: int) -> tuple[list[nn.Parameter], Cal
 def _run(args: argparse.Namespace, rank: int, impl: str) -> float:
     build = {"ours": _ours, "torch": _torch, "ours_seq": _ours_seq}[impl]
     params, step = build(args, rank)
-    optimizer = torch.optim.SGD(params, lr=1e-3)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
-    times = []
-    for i in range(args.warmup + args.steps):
-        dist.barrier()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        step(x)
-        optimizer.step()
-        dist.barrier()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_step_seconds(step, params, x, args.warmup, args.steps)
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[float]]:
