@@ -57,9 +57,16 @@ def test_pp_x_fsdp_trains_like_one_process(tmp_path: Any) -> None:
 
 def _hybrid(rank: int, world: int, tmp: str) -> None:
     expected, _ = reference(STEPS, BATCH, dp=2, dtype=DTYPE)
-    trainer = fit(PipeDreamStrategy(chunks=2, sharding_strategy="HYBRID_SHARD", **SHARDED), tmp, num_nodes=2)
-    _check_full_state(trainer, expected, "hybrid: a pipeline per host, the stages replicated across hosts")
-    assert trainer.strategy.rank_layout.replicate_size == 2
+    for label, strategy in {
+        "hybrid: a pipeline per host, the stages replicated across hosts": PipeDreamStrategy(
+            chunks=2, sharding_strategy="HYBRID_SHARD", **SHARDED
+        ),
+        "gpipe, the shards across hosts": GPipeStrategy(chunks=2, **SHARDED),
+        "interleaved, the shards across hosts": Interleaved1F1BStrategy(chunks=2, **SHARDED),
+    }.items():
+        trainer = fit(strategy, tmp, num_nodes=2)
+        _check_full_state(trainer, expected, label)
+        assert trainer.strategy.rank_layout.replicate_size == (2 if label.startswith("hybrid") else 1)
 
 
 def test_pp_x_hybrid_shard_on_two_hosts(tmp_path: Any) -> None:
