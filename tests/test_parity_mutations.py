@@ -240,3 +240,29 @@ def test_compat_snippet_parity_catches_a_scaled_gradient() -> None:
     expected = pipeline_reference()["state"]  # float64 (decorated in the snippets' module)
     merged = {name: {**results[0][name], **results[1][name]} for name in results[0]}
     _assert_only_clean_passes(merged, expected)
+
+
+# ----- pipelines over sharded stages (PP x FSDP) under the Trainer -----------------------------------------
+
+
+def _pp_x_fsdp_world(rank: int, world: int, tmp: str) -> dict[str, dict[str, list]]:
+    from lightning_haiscale.strategies import PipeDreamStrategy
+
+    results = {}
+    for name, module in (("clean", Classifier()), ("scaled", _Scaled())):  # rank 1: pipeline 0's last stage
+        strategy = PipeDreamStrategy(chunks=2, pp_size=2, data_parallel="fsdp", auto_wrap_policy={nn.Linear})
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS, precision="64-true",
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            limit_val_batches=0, default_root_dir=tmp,
+        )  # fmt: skip
+        trainer.fit(module, DataLoader(data(), batch_size=BATCH))
+        results[name] = {k: v.tolist() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    return results
+
+
+def test_pp_x_fsdp_parity_catches_a_scaled_gradient(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    results = run_distributed(_pp_x_fsdp_world, 4, str(tmp_path), timeout=300)
+    expected, _ = reference(STEPS, BATCH, dp=2, dtype=torch.float64)
+    _assert_only_clean_passes(results[0], {k: v.tolist() for k, v in expected.items()})
