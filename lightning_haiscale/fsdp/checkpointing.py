@@ -6,7 +6,7 @@ torch's ``checkpoint_wrapper`` replaces each chosen module by a ``CheckpointWrap
 again. Applied before :class:`~lightning_haiscale.fsdp.FullyShardedDataParallel` wraps the model, a unit chosen
 by ``auto_wrap_policy`` (a ``Block``) is the wrapped module itself: its pre-backward hook gathers its parameters
 again just before the recomputation reads them, as torch FSDP's units do, and its forward hooks, run again by
-the recomputation, prefetch and reshard nothing (fully_sharded [Note: recomputation]). Parameter names then
+the recomputation, prefetch and reshard nothing (scheduler [Note: recomputation]). Parameter names then
 hold ``_checkpoint_wrapped_module.``; the wrapper's state dicts use the plain model's keys.
 """
 

@@ -6,6 +6,8 @@ ranks issue the same sequence as long as they run the same units in the same ord
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 
@@ -30,18 +32,12 @@ def gather_unit(comm: Communicator, unit: UnitLayout, flat_shard: torch.Tensor) 
 
 def reduce_scatter_grads(comm: Communicator, shard_grad: torch.Tensor, full_grad: torch.Tensor) -> Work:
     """Starts averaging ``full_grad`` across ranks into this rank's slice ``shard_grad``; returns the handle."""
-    return _handle(comm.reduce_scatter(shard_grad, full_grad, op="avg", async_op=True), "reduce_scatter")
+    return cast(Work, comm.reduce_scatter(shard_grad, full_grad, op="avg", async_op=True))  # async: always a Work
 
 
 def all_reduce_grad(comm: Communicator, grad: torch.Tensor) -> Work:
     """Starts averaging ``grad`` across ranks in place; returns the handle."""
-    return _handle(comm.all_reduce(grad, op="avg", async_op=True), "all_reduce")
-
-
-def _handle(work: Work | None, collective: str) -> Work:
-    if work is None:  # the engine always returns a handle for async_op=True
-        raise RuntimeError(f"hfreduce returned no handle for an asynchronous {collective}")
-    return work
+    return cast(Work, comm.all_reduce(grad, op="avg", async_op=True))  # async: always a Work
 
 
 def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

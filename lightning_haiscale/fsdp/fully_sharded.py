@@ -1,48 +1,14 @@
 """``FullyShardedDataParallel``: ZeRO-3 sharding of a module over the hfreduce engine (ZeRO-2, replicated and
 hybrid sharding are the same machine with other groups, see sharding [Note: one machine for every strategy]).
 
-[Note: schedule]
-Forward: a unit's pre-forward hook waits for (or starts) its all-gather, starts the next unit's
-all-gather (forward order recorded in the first forward), and installs the unsharded views; its
-post-forward hook reshards it (the root stays unsharded: its backward comes first) and registers a
-pre-backward hook on its outputs. Backward: the pre-backward hook unshards the unit again and, with
-``BACKWARD_PRE``, starts the all-gather of the next unit in backward order (recorded in the first
-backward); once the post-accumulate-grad hooks of the unit's parameters (see param_group [Note: unsharded
-views and storage]) have all fired, the unit starts reducing its gradients (with ``BACKWARD_POST``, after
-starting the next all-gather) and reshards, then finishes the previous unit's reduction (see [Note: one
-reduce-scatter in flight]). Entering a unit's backward first starts reducing the gradients another,
-interrupted unit already has (param_group [Note: reducing a unit's gradients]) and lets it give back the pages
-of the gathered parameters nothing will read again (release [Note: releasing gathered parameters early]).
-A callback queued on the
-autograd engine by the root's pre-backward hook waits for the last reductions once the whole backward is
-done, and gives the pieces their ``.grad``.
-All ranks must run the same units in the same order, as with torch FSDP.
-
-[Note: recomputation]
-Under activation checkpointing (``fsdp.checkpointing``) backward runs a unit's forward again, and its forward
-hooks with it, after its pre-backward hook has gathered it. Run as in forward, the pre-forward hook started
-the all-gather of the next unit in forward order, whose backward was already done, and nothing resharded that
-unit before the next step: every recomputation left one more unit gathered, and checkpointing raised the peak
-memory instead of cutting it. So from the first backward hook to the end of backward, a unit's forward is a
-recomputation: its pre-forward hook gathers the unit (one inside a larger checkpointed module may not be
-gathered yet) and prefetches nothing; its post-forward hook does nothing once the unit's backward has begun
-(its backward reads the parameters next; torch's reentrant checkpoint reaches that hook, the non-reentrant
-one stops the recomputation before it), and otherwise reshards and registers the pre-backward hook as in
-forward. FSDP2 skips its hooks the same way (its ``PRE_BACKWARD`` state).
-
-[Note: one reduce-scatter in flight]
-A reduce-scatter reads the unit's whole unsharded gradient, which the engine keeps alive until the
-collective is waited on. Waiting for all of them only at the end of backward kept every unit's unsharded
-gradient alive at once: the size of the whole model in fp32 (1.5 GiB of GPT-2 Medium's 406M parameters),
-the largest part of hai_fsdp's peak memory. So each unit's post-backward hook, after starting its own
-reduce-scatter, waits for the previous unit's: the engine runs collectives in order and that one had the
-current unit's whole backward to finish, so the wait is short, and at most two units' unsharded gradients
-live at once, as in FSDP2 (an interrupted unit's parts count as one of them).
+The wrapper builds the units (``param_group``) and their engines, and holds the public methods; its
+:class:`~lightning_haiscale.fsdp.scheduler.StepScheduler` runs each step's gathers, reshards and reductions
+from the hooks (scheduler [Note: schedule]); the checkpoint methods hand the work to ``state_dict`` and
+``optim_state`` with the public :class:`~lightning_haiscale.fsdp.layout.ShardLayout`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -68,7 +34,8 @@ from lightning_haiscale.fsdp.optim_state import (
     local_optim_state,
 )
 from lightning_haiscale.fsdp.options import check_cpu_offload, check_flags, ignored
-from lightning_haiscale.fsdp.param_group import FSDPParamGroup, GradShards, ShardState, TrainingState
+from lightning_haiscale.fsdp.param_group import FSDPParamGroup, ShardState
+from lightning_haiscale.fsdp.scheduler import StepScheduler
 from lightning_haiscale.fsdp.sharding import ShardingStrategy, resolve_strategy
 from lightning_haiscale.fsdp.state_dict import (
     gather_full_state,
@@ -118,7 +85,7 @@ class FullyShardedDataParallel(nn.Module):
         module: the model; parameters may be on the meta device (materialized unit by unit, see
             ``param_init_fn``), so the whole model never exists on one rank.
         process_group: ranks of the model (default: the world), or torch FSDP1's ``(shard_group,
-            replicate_group)`` pair for hybrid sharding. Ignored when ``communicator`` is given.
+            replicate_group)`` pair for hybrid sharding.
         auto_wrap_policy: which submodules become units of their own (see ``wrap.AutoWrapPolicy``);
             ``None``: one unit for the whole model.
         backward_prefetch: when backward prefetches the next unit (``None``: no backward prefetch).
@@ -136,11 +103,8 @@ class FullyShardedDataParallel(nn.Module):
             torch FSDP's, with the meanings of options [Note: torch's keywords, honoured].
         param_init_fn: ``fn(module)`` initializing a module's meta-device parameters in place;
             default ``module.reset_parameters()``.
-        communicator: an existing engine over the model's ranks to use (its group replaces ``process_group``;
-            :meth:`close` stops it); hybrid sharding builds its two engines over that group instead, with its
-            timeout, and stops it.
-        timeout: the deadline of every wait on a peer in the engines it builds (default 5 minutes; with
-            ``communicator``, that engine's own).
+        timeout: the deadline of every wait on a peer in the engines it builds, one per group its
+            ``sharding_strategy`` uses (default 5 minutes).
         arrival_timeout: how long a collective call (``state_dict()`` outside ``summon_full_params``,
             ``summon_full_params()``) waits for every rank to make it before raising
             :class:`~lightning_haiscale.fsdp.arrival.CollectiveMisuseError` (see [Note: why an arrival check]).
@@ -165,7 +129,6 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: bool = False,
         use_orig_params: bool = True,
         param_init_fn: Callable[[nn.Module], None] | None = None,
-        communicator: Communicator | None = None,
         arrival_timeout: timedelta = timedelta(seconds=30),
         timeout: timedelta | None = None,
     ) -> None:
@@ -186,16 +149,11 @@ class FullyShardedDataParallel(nn.Module):
         self.module = module
         self.backward_prefetch = backward_prefetch
         self.mixed_precision = mixed_precision
-        self.comm, self.replicate_comm, self.process_group = self._communicators(
-            process_group, device_mesh, communicator, timeout
-        )
+        self.comm, self.replicate_comm, self.process_group = self._communicators(process_group, device_mesh, timeout)
         self._closed = False
         units = [u for u in unit_modules(module, auto_wrap_policy) if id(u) not in self._ignored_modules]
         self._groups = self._build_groups(units, param_init_fn, sync_module_states)
         self._root_group = self._groups.get(module)
-        self._grad_shards = GradShards(list(self._groups.values()))
-        for group in self._groups.values():
-            group.grad_space = functools.partial(self._grad_shards.take, group)
         self._named_pieces = list(module.named_parameters(remove_duplicate=False))
         self.layout = ShardLayout(
             units=tuple(group.layout for group in self._groups.values()),
@@ -207,14 +165,7 @@ class FullyShardedDataParallel(nn.Module):
         _move_buffers(module, self.device)
         if sync_module_states:
             broadcast_from_first(list(module.buffers()), self.process_group)
-        self._register_hooks()
-        self._sync_grads = True
-        self._forward_order: list[FSDPParamGroup] | None = None
-        self._backward_order: list[FSDPParamGroup] | None = None
-        self._recording: list[FSDPParamGroup] = []
-        self._training_state = TrainingState.IDLE  # PRE_BACKWARD from the first backward hook to _finalize_backward
-        self._reducing: FSDPParamGroup | None = None  # the unit whose reduce-scatter started last
-        self._unfinished: dict[int, FSDPParamGroup] = {}  # units holding gradients, their backward not done
+        self._scheduler = StepScheduler(module, self._groups, backward_prefetch, self.reshard_after_forward)
         self._state_dict_type = StateDictType.FULL
         self._holds_full: bool | None = None  # inside summon_full_params: whether this rank holds them
         self._arrival = ArrivalCheck(self.process_group, arrival_timeout)
@@ -222,24 +173,12 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------------ construction
 
     def _communicators(
-        self, process_group: Any, device_mesh: Any, communicator: Communicator | None, timeout: timedelta | None
+        self, process_group: Any, device_mesh: Any, timeout: timedelta | None
     ) -> tuple[Communicator, Communicator | None, dist.ProcessGroup]:
-        """The engines over the shard and replicate groups, and the group of every rank of the model. A given
-        ``communicator`` over the whole group is the shard engine (FULL_SHARD, SHARD_GRAD_OP) or the replicate
-        one (NO_SHARD); hybrid sharding needs two others over its group (with its timeout) and stops it."""
-        strategy = self.sharding_strategy
-        if communicator is not None:
-            timeout = communicator.timeout
+        """The engines over the shard and replicate groups (only those the strategy uses), and the group of
+        every rank of the model."""
         timeout = timeout if timeout is not None else timedelta(minutes=5)
-        if communicator is not None:
-            if not strategy.hybrid and strategy is not ShardingStrategy.NO_SHARD:
-                return communicator, None, communicator.group
-            process_group = communicator.group
-        shard, replicate, whole = strategy_groups(strategy, process_group, device_mesh)
-        if communicator is not None and strategy is ShardingStrategy.NO_SHARD and replicate is not None:
-            return Communicator(shard, timeout=timeout), communicator, whole
-        if communicator is not None:  # unused: hybrid groups, or NO_SHARD on one rank (nothing to replicate)
-            communicator.close()
+        shard, replicate, whole = strategy_groups(self.sharding_strategy, process_group, device_mesh)
         replicate_comm = Communicator(replicate, timeout=timeout) if replicate is not None else None
         return Communicator(shard, timeout=timeout), replicate_comm, whole
 
@@ -270,125 +209,13 @@ class FullyShardedDataParallel(nn.Module):
             groups[unit] = group
         return dict(reversed(groups.items()))
 
-    def _register_hooks(self) -> None:
-        for unit, group in self._groups.items():
-            for index, leaf in enumerate(group.leaves):
-                if leaf.requires_grad:
-                    leaf.register_post_accumulate_grad_hook(functools.partial(self._grad_arrived, group, index))
-            if unit is not self.module:
-                unit.register_forward_pre_hook(functools.partial(self._unit_pre_forward, group))
-                unit.register_forward_hook(functools.partial(self._unit_post_forward, group))
-            for holder in group.holder_modules():  # see release [Note: releasing gathered parameters early]
-                holder.register_forward_pre_hook(lambda module, args, group=group: group.holder_pre_forward())
-
     # ----------------------------------------------------------------------------- forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._open()
-        if self._training_state is not TrainingState.IDLE:  # the last backward never ended (an exception)
-            self._training_state = TrainingState.IDLE
-            for group in self._groups.values():
-                group.forget_backward()
-        if self._root_group is not None:
-            self._pre_forward(self._root_group)
         if self.mixed_precision is not None and self.mixed_precision.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.mixed_precision.param_dtype)
-        output = self.module(*args, **kwargs)
-        if self._forward_order is None:
-            self._forward_order, self._recording = self._recording, []
-        tensors = _grad_tensors(output) if torch.is_grad_enabled() else []
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
-        else:  # no backward will follow
-            for group in self._groups.values():
-                group.reshard()
-        return output
-
-    def _pre_forward(self, group: FSDPParamGroup) -> None:
-        if self._forward_order is None and group not in self._recording:
-            self._recording.append(group)
-        group.unshard()
-        group.wait_unshard()
-        _prefetch_after(self._forward_order, group)
-        group.use_unsharded_views()
-
-    def _unit_pre_forward(self, group: FSDPParamGroup, module: nn.Module, args: Any) -> None:
-        if self._training_state is TrainingState.PRE_BACKWARD:  # a recomputation: prefetch nothing (see [Note: ...])
-            group.unshard()
-            group.wait_unshard()
-            group.use_unsharded_views()
-            return
-        self._pre_forward(group)
-
-    def _unit_post_forward(self, group: FSDPParamGroup, module: nn.Module, args: Any, output: Any) -> None:
-        if group.training_state is not TrainingState.IDLE:
-            return  # a recomputation inside the unit's own backward, which reads the gathered parameters next
-        if self.reshard_after_forward:
-            group.reshard()
-        tensors = _grad_tensors(output) if torch.is_grad_enabled() else []
-        if tensors:
-            hook = functools.partial(self._pre_backward, group)
-            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
-
-    # ---------------------------------------------------------------------------- backward
-
-    def _queue_finalize(self) -> None:
-        """Runs :meth:`_finalize_backward` once the whole backward is done (queued once per backward, from
-        whichever hook fires first), the way torch DDP and FSDP do."""
-        if self._training_state is TrainingState.IDLE:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-            self._training_state = TrainingState.PRE_BACKWARD
-
-    def _root_pre_backward(self, grad: torch.Tensor | None = None) -> None:
-        self._queue_finalize()
-        if self._root_group is not None:
-            self._pre_backward(self._root_group)
-
-    def _pre_backward(self, group: FSDPParamGroup, grad: torch.Tensor | None = None) -> None:
-        self._queue_finalize()
-        if not group.begin_backward():
-            return
-        for other in [g for g in self._unfinished.values() if g is not group]:  # in the order they got gradients
-            del self._unfinished[id(other)]  # see param_group [Note: reducing a unit's gradients]
-            if other.reduce_arrived():
-                self._reduction_started(other)
-            other.release_unread()
-        if self._backward_order is None:
-            self._recording.append(group)
-        group.unshard()
-        group.wait_unshard()
-        group.use_unsharded_views()  # a checkpointed submodule of the unit, recomputed in backward, reads them
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-            _prefetch_after(self._backward_order, group)
-
-    def _grad_arrived(self, group: FSDPParamGroup, index: int, leaf: torch.Tensor) -> None:
-        self._queue_finalize()
-        if group.grad_arrived(index, sync=self._sync_grads):
-            self._unfinished.pop(id(group), None)
-            self._post_backward(group)
-        else:
-            self._unfinished[id(group)] = group
-
-    def _post_backward(self, group: FSDPParamGroup) -> None:
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            _prefetch_after(self._backward_order, group)
-        group.reduce_grad(sync=self._sync_grads)
-        self._reduction_started(group)
-
-    def _reduction_started(self, group: FSDPParamGroup) -> None:
-        previous, self._reducing = self._reducing, group
-        if previous is not None and previous is not group:
-            previous.finish_reduce()  # see [Note: one reduce-scatter in flight]
-
-    def _finalize_backward(self) -> None:
-        for group in self._groups.values():
-            group.finalize_grads(sync=self._sync_grads)
-        self._grad_shards.release()
-        if self._backward_order is None:
-            self._backward_order, self._recording = self._recording, []
-        self._unfinished.clear()
-        self._training_state = TrainingState.IDLE
-        self._reducing = None
+        return self._scheduler.forward(lambda: self.module(*args, **kwargs))
 
     # ------------------------------------------------------------------------- public API
 
@@ -405,7 +232,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Backward passes inside accumulate unsharded gradients locally; the first one outside reduces them."""
-        return sync_off(self, "_sync_grads")
+        return sync_off(self._scheduler, "sync_grads")
 
     def close(self) -> None:
         """Stops the communication engine (its thread and shared memory) when training is over. Idempotent.
@@ -461,7 +288,7 @@ class FullyShardedDataParallel(nn.Module):
             for group in self._groups.values():
                 full = group.gather_full()
                 if not rank0_only or self._first_rank:
-                    views = group.full_views(full)
+                    views = group.layout.full_views(full)
                     group.set_params(
                         [
                             nn.Parameter(v, requires_grad=p.requires_grad)
@@ -624,26 +451,6 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
         for name, buffer in sub._buffers.items():
             if buffer is not None and buffer.device != device:
                 sub._buffers[name] = buffer.to(device)
-
-
-def _prefetch_after(order: list[FSDPParamGroup] | None, group: FSDPParamGroup) -> None:
-    """Starts the all-gather of the unit after ``group`` in a recorded order."""
-    if order is None or group not in order:
-        return
-    index = order.index(group)
-    if index + 1 < len(order):
-        order[index + 1].unshard(async_op=True)
-
-
-def _grad_tensors(output: Any) -> list[torch.Tensor]:
-    """Tensors in a (nested) output that will receive gradients."""
-    if isinstance(output, torch.Tensor):
-        return [output] if output.requires_grad else []
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _grad_tensors(item)]
-    return []
 
 
 def _cast_floats(value: Any, dtype: torch.dtype | None) -> Any:

@@ -31,7 +31,7 @@ parameters only; in exchange no unsharded gradient outlives its reduction, and t
 [Note: replicated shards]
 Under hybrid sharding and NO_SHARD, the ranks of ``replicate`` hold the same shard (see sharding [Note: one
 machine for every strategy]). Once a unit's gradients are all reduced within the shard group (its backward is
-done and its reductions waited for, which the next unit's reduction does, see fully_sharded [Note: one
+done and its reductions waited for, which the next unit's reduction does, see scheduler [Note: one
 reduce-scatter in flight]), the reduced shard is averaged over ``replicate`` asynchronously, so that all-reduce
 (the only traffic that crosses hosts under HYBRID_SHARD) runs while backward goes on; the end of backward
 waits for it before the shard becomes the pieces' ``.grad``. Every rank starts it at the same point of the
@@ -52,6 +52,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -64,7 +65,7 @@ from lightning_haiscale.fsdp.wrap import ParamRef
 from lightning_haiscale.hfreduce import Communicator, Work
 from lightning_haiscale.use_counts import storage_use_count
 
-__all__ = ["FSDPParamGroup", "GradShards", "ShardState", "TrainingState"]
+__all__ = ["FSDPParamGroup", "GradShards", "PendingReduce", "ShardState", "TrainingState"]
 
 
 class ShardState(enum.Enum):
@@ -83,14 +84,19 @@ class ShardState(enum.Enum):
 
 
 class TrainingState(enum.Enum):
-    """Where a unit is in the step's backward (FSDP2's ``TrainingState``).
+    """Where a unit is in the step's backward (FSDP2's ``TrainingState``): the one state of a unit's backward,
+    changed only by :meth:`FSDPParamGroup._enter`, which checks each change against ``_TRANSITIONS``.
 
-    | from          | event                                           | to            | method          |
-    |---------------|-------------------------------------------------|---------------|-----------------|
-    | IDLE          | its pre-backward hook (gathers it)              | PRE_BACKWARD  | begin_backward  |
-    | IDLE or PRE_. | every gradient arrived, under ``no_sync()``     | ACCUMULATED   | reduce_grad     |
-    | IDLE or PRE_. | every gradient arrived, synchronizing           | REDUCED       | reduce_grad     |
-    | any           | the end of the whole backward                   | IDLE          | finalize_grads  |
+    | from                      | event                                           | to           | method          |
+    |---------------------------|-------------------------------------------------|--------------|-----------------|
+    | IDLE                      | its pre-backward hook (gathers it)              | PRE_BACKWARD | begin_backward  |
+    | IDLE, PRE_. or ACCUMULATED | every gradient arrived, not synchronizing       | ACCUMULATED  | reduce_grad     |
+    | IDLE, PRE_. or REDUCED    | every gradient arrived, synchronizing           | REDUCED      | reduce_grad     |
+    | any                       | the end of the whole backward                   | IDLE         | finalize_grads  |
+    | any                       | a forward after a backward that never ended     | IDLE         | forget_backward |
+
+    A unit reduced twice in one backward (its parameters' hooks fired again, as under reentrant checkpointing)
+    stays where it is; a unit whose pre-backward hook did not fire (its outputs were not used) goes from IDLE.
     """
 
     IDLE = enum.auto()
@@ -101,6 +107,55 @@ class TrainingState(enum.Enum):
     """Its backward is done; the gradients stay unreduced on the leaves for a later backward (``no_sync()``)."""
     REDUCED = enum.auto()
     """Its backward is done and every gradient's reduction has started: the shard may be replicated."""
+
+
+_TRANSITIONS: dict[TrainingState, frozenset[TrainingState]] = {
+    TrainingState.IDLE: frozenset(TrainingState),
+    TrainingState.PRE_BACKWARD: frozenset({TrainingState.ACCUMULATED, TrainingState.REDUCED, TrainingState.IDLE}),
+    TrainingState.ACCUMULATED: frozenset({TrainingState.ACCUMULATED, TrainingState.IDLE}),
+    TrainingState.REDUCED: frozenset({TrainingState.REDUCED, TrainingState.IDLE}),
+}
+"""Every change of a unit's :class:`TrainingState` allowed (the table above)."""
+
+
+@dataclass
+class PendingReduce:
+    """A unit's gradient reduction in one backward, from its first collective until the result is handed to the
+    pieces' ``.grad`` (see [Note: reducing a unit's gradients] and [Note: replicated shards]).
+
+    Attributes:
+        shard: this rank's reduced gradient shard, in the reduce dtype, which the collectives write.
+        in_parts: the unit's backward was interrupted, so its gradients are all-reduced parameter by parameter.
+        works: the collectives in flight, each with what ends it (keeps this rank's part of its result).
+        replication: the all-reduce of ``shard`` over the replicas, once started.
+    """
+
+    shard: torch.Tensor
+    in_parts: bool
+    works: list[tuple[Work, Callable[[], None]]] = field(default_factory=list)
+    replication: Work | None = None
+
+    def wait(self) -> None:
+        """Waits for the collectives in flight and keeps this rank's part of each; the engine then lets go of
+        the unsharded gradients it read."""
+        for work, done in self.works:
+            work.wait()
+            done()
+        self.works.clear()
+
+    def replicate(self, replicas: Communicator | None) -> None:
+        """Starts averaging ``shard`` over ``replicas`` (hybrid sharding, NO_SHARD), once; after :meth:`wait`."""
+        if replicas is not None and self.replication is None:
+            self.replication = all_reduce_grad(replicas, self.shard)
+
+    def result(self, replicas: Communicator | None) -> torch.Tensor:
+        """The reduced shard, averaged over ``replicas`` too: waits for everything still in flight."""
+        self.wait()
+        self.replicate(replicas)
+        if self.replication is not None:
+            self.replication.wait()
+            self.replication = None
+        return self.shard
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -137,22 +192,20 @@ class FSDPParamGroup:
         """The engine over the ranks holding the same shard (hybrid sharding, NO_SHARD), or None."""
         self.dtype = next(iter(dtypes))
         self.device = device
-        total = sum(ref.param.numel() for ref in refs)
-        self.shard_numel = max(1, math.ceil(total / comm.world_size))
-        self.padded_numel = self.shard_numel * comm.world_size
-        self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
-        self.infos = self._shard(refs)
+        shard_numel = max(1, math.ceil(sum(ref.param.numel() for ref in refs) / comm.world_size))
+        self.flat_shard = torch.zeros(shard_numel, dtype=self.dtype, device=device)
+        self.layout = UnitLayout(params=self._shard(refs), shard_numel=shard_numel, world_size=comm.world_size)
+        """The public face of this unit's sharding (names, shapes, this rank's slices): the one place its sizes
+        and each piece's place in a flat shard are computed."""
         self._holders = [tuple(ref.holders) for ref in refs]  # (module, attribute) pairs holding each parameter
-        self.layout = UnitLayout(params=self.infos, shard_numel=self.shard_numel, world_size=comm.world_size)
-        """The public face of this unit's sharding (names, shapes, this rank's slices)."""
         self.pieces = [
-            nn.Parameter(self.piece(info), requires_grad=ref.param.requires_grad)
+            nn.Parameter(self.layout.piece(info, self.flat_shard), requires_grad=ref.param.requires_grad)
             for info, ref in zip(self.infos, refs, strict=True)
         ]
         mp = mixed_precision or MixedPrecision()
         self.param_dtype = mp.param_dtype or self.dtype
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype
-        self.full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
+        self.full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=device)
         self.leaves = self._make_leaves()
         """Each parameter as an autograd leaf viewing ``full``'s storage (see [Note: unsharded views and storage])."""
         self._own_views = storage_use_count(self.full)  # ``full`` and the leaves: see release [Note: ...]
@@ -162,11 +215,9 @@ class FSDPParamGroup:
         self._unshard_work: Work | None = None
         self._arrived: set[int] = set()  # parameters whose gradient of this backward is complete
         self._waiting: list[int] = []  # ... of those, the ones not yet reduced
-        self._reductions: list[tuple[Work, Callable[[], None]]] = []  # in flight, each with what ends it
-        self._reduced: torch.Tensor | None = None  # this backward's reduced shard, until finalize_grads
+        self._pending: PendingReduce | None = None  # this backward's reduction, until finalize_grads
         self.training_state = TrainingState.IDLE
-        self._replication: Work | None = None  # the all-reduce of ``_reduced`` over ``replicate`` in flight
-        self._in_parts = False  # this backward reduces the unit parameter by parameter (it was interrupted)
+        """Where the unit is in the step's backward; changed only by :meth:`_enter`."""
         self._released: set[int] = set()  # leaves whose pages went back to the OS while unsharded
         self.grad_space: Callable[[], torch.Tensor] = self.fresh_shard
         """Where a reduced shard goes (see [Note: one buffer for the reduced gradients])."""
@@ -182,14 +233,24 @@ class FSDPParamGroup:
             offset += info.numel
         return leaves
 
+    @property
+    def infos(self) -> tuple[ParamSlice, ...]:
+        """Each parameter's names, shape and piece, in flat order (``layout.params``)."""
+        return self.layout.params
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of this rank's flat shard (``layout.shard_numel``)."""
+        return self.layout.shard_numel
+
     def fresh_shard(self) -> torch.Tensor:
         """An uninitialized tensor the size of this rank's shard, in the reduce dtype."""
         return torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
 
     def _shard(self, refs: list[ParamRef]) -> tuple[ParamSlice, ...]:
         """Copies this rank's slice of every parameter into ``flat_shard``."""
-        lo = self.comm.rank * self.shard_numel
-        hi = lo + self.shard_numel
+        lo = self.comm.rank * self.flat_shard.numel()
+        hi = lo + self.flat_shard.numel()
         infos, offset = [], 0
         for ref in refs:
             n = ref.param.numel()
@@ -210,15 +271,6 @@ class FSDPParamGroup:
         return tuple(infos)
 
     # ----------------------------------------------------------------------------- views
-
-    def piece(self, info: ParamSlice, flat: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's piece of ``info``'s parameter as a view of ``flat`` (default: ``flat_shard``)."""
-        flat = self.flat_shard if flat is None else flat
-        return flat[info.shard_offset : info.shard_offset + info.end - info.start]
-
-    def full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
-        """Every parameter as a view of an unsharded flat buffer ``full``, in original shapes."""
-        return self.layout.full_views(full)
 
     def holder_modules(self) -> list[nn.Module]:
         """Every module that holds one of this unit's parameters, once each."""
@@ -304,16 +356,27 @@ class FSDPParamGroup:
 
     # ------------------------------------------------------------------------- gradients
 
+    def _enter(self, state: TrainingState) -> None:
+        """The one place the unit's :class:`TrainingState` changes; ``RuntimeError`` for a change the table of
+        :class:`TrainingState` does not allow (the hooks ran in an order the schedule cannot follow)."""
+        if state not in _TRANSITIONS[self.training_state]:
+            names = [info.name for info in self.infos[:3]]
+            raise RuntimeError(
+                f"sharded unit holding {names}: its backward went from {self.training_state.name} to {state.name}; "
+                "every rank must run the same units' forward and backward in the same order"
+            )
+        self.training_state = state
+
     def begin_backward(self) -> bool:
         """IDLE -> PRE_BACKWARD, from the unit's pre-backward hook; False if its backward had begun already."""
         if self.training_state is not TrainingState.IDLE:
             return False
-        self.training_state = TrainingState.PRE_BACKWARD
+        self._enter(TrainingState.PRE_BACKWARD)
         return True
 
     def forget_backward(self) -> None:
         """-> IDLE without finishing: a forward after a backward that never ended (an exception inside it)."""
-        self.training_state = TrainingState.IDLE
+        self._enter(TrainingState.IDLE)
 
     def grad_arrived(self, index: int, sync: bool) -> bool:
         """Parameter ``index``'s gradient of this backward is complete on its leaf; True once every parameter
@@ -334,74 +397,63 @@ class FSDPParamGroup:
 
     def reduce_grad(self, sync: bool) -> None:
         """After the unit's backward: starts reducing its gradients (unless ``sync`` is False, when they keep
-        accumulating on the leaves for a later backward, as under ``no_sync()``), then reshards:
-        -> REDUCED or ACCUMULATED."""
+        accumulating on the leaves for a later backward, as under ``no_sync()``): -> REDUCED or ACCUMULATED.
+        Whether the unit reshards now is the scheduler's choice."""
         self._waiting.clear()
         grads = [i for i, leaf in enumerate(self.leaves) if leaf.grad is not None]
-        self.training_state = TrainingState.REDUCED if sync else TrainingState.ACCUMULATED
-        if sync and grads:
-            if self._in_parts:
-                for index in grads:
-                    self._all_reduce(index)
-            else:
-                self._reduce_scatter()
-        self.reshard()
+        self._enter(TrainingState.REDUCED if sync else TrainingState.ACCUMULATED)
+        if not (sync and grads):
+            return
+        if self._pending is not None and self._pending.in_parts:
+            for index in grads:
+                self._all_reduce(index)
+        else:
+            self._reduce_scatter()
 
     def _reduce_scatter(self) -> None:
-        if self._reduced is not None:  # a second reduction in one backward: keep the first result
-            self.finish_reduce()
+        if self._pending is not None:  # a second reduction in one backward: keep the first result
             self._hand_over()
-        flat = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
+        flat = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.device)
         flat[sum(info.numel for info in self.infos) :].zero_()  # the padding
-        for view, leaf in zip(self.full_views(flat), self.leaves, strict=True):
+        for view, leaf in zip(self.layout.full_views(flat), self.leaves, strict=True):
             if leaf.grad is None:
                 view.zero_()
             else:
                 view.copy_(leaf.grad)
                 leaf.grad = None
-        self._reduced = self.grad_space()
-        self._reductions.append((reduce_scatter_grads(self.comm, self._reduced, flat), lambda: None))
+        self._pending = PendingReduce(self.grad_space(), in_parts=False)
+        self._pending.works.append((reduce_scatter_grads(self.comm, self._pending.shard, flat), lambda: None))
 
     def _all_reduce(self, index: int) -> None:
         leaf, info = self.leaves[index], self.infos[index]
         grad = leaf.grad.reshape(-1).to(self.reduce_dtype)
         leaf.grad = None
-        if self._reduced is None:
-            self._reduced = self.grad_space().zero_()
-        work = all_reduce_grad(self.comm, grad)
-        piece = self.piece(info, self._reduced)
-        self._reductions.append((work, lambda: piece.add_(grad[info.start : info.end])))
-        self._in_parts = True
+        if self._pending is None:
+            self._pending = PendingReduce(self.grad_space().zero_(), in_parts=True)
+        self._pending.in_parts = True
+        piece = self.layout.piece(info, self._pending.shard)
+        self._pending.works.append((all_reduce_grad(self.comm, grad), lambda: piece.add_(grad[info.start : info.end])))
 
     def finish_reduce(self) -> None:
         """Waits for this unit's reductions in flight (if any) and keeps this rank's part of each; the engine
-        then lets go of the unsharded gradients it read, which are freed."""
-        for work, done in self._reductions:
-            work.wait()
-            done()
-        self._reductions.clear()
+        then lets go of the unsharded gradients it read, which are freed. A REDUCED unit then starts averaging
+        its shard over the replicas (see [Note: replicated shards])."""
+        if self._pending is None:
+            return
+        self._pending.wait()
         if self.training_state is TrainingState.REDUCED:
-            self._replicate()
-
-    def _replicate(self) -> None:
-        """Starts averaging the reduced shard over the replicas (see [Note: replicated shards]), once."""
-        if self.replicate is not None and self._reduced is not None and self._replication is None:
-            self._replication = all_reduce_grad(self.replicate, self._reduced)
+            self._pending.replicate(self.replicate)
 
     def _hand_over(self) -> None:
         """Adds the reduced shard to the pieces' ``.grad``."""
-        if self._reduced is not None:
-            self._replicate()
-        if self._replication is not None:
-            self._replication.wait()
-            self._replication = None
-        reduced, self._reduced = self._reduced, None
-        if reduced is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
+        reduced = pending.result(self.replicate)
         reduced = reduced if reduced.dtype == self.dtype else reduced.to(self.dtype)
         for info, piece in zip(self.infos, self.pieces, strict=True):
             if piece.requires_grad:
-                grad = self.piece(info, reduced)
+                grad = self.layout.piece(info, reduced)
                 piece.grad = grad if piece.grad is None else piece.grad.add_(grad)
 
     def finalize_grads(self, sync: bool) -> None:
@@ -409,12 +461,9 @@ class FSDPParamGroup:
         got none), waits for the reductions and adds the result to the pieces' ``.grad``: -> IDLE."""
         if self._waiting:
             self.reduce_grad(sync)
-        self.reshard()
-        self.finish_reduce()
         self._hand_over()
         self._arrived.clear()
-        self._in_parts = False
-        self.training_state = TrainingState.IDLE
+        self._enter(TrainingState.IDLE)
 
     # --------------------------------------------------------------------- whole copies
 

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from lightning_haiscale.hfreduce.at_exit import call_at_exit
+from lightning_haiscale.hfreduce.job_store import job_store
 from lightning_haiscale.hfreduce.liveness import Heartbeats
 
 __all__ = ["abort_job", "forget_other_hosts", "register_engine", "watch_other_hosts"]
@@ -61,7 +62,7 @@ def abort_job(exception: BaseException) -> None:
     _abort_here(rank, reason)
     if _watcher is not None:
         try:
-            _store().set(_KEY, f"{rank}\n{reason}")
+            job_store().set(_KEY, f"{rank}\n{reason}")
         except RuntimeError as error:  # the store's host is gone too: its ranks already fail on their own
             log.debug("could not post the abort to the other hosts: %s", error)
 
@@ -71,7 +72,7 @@ def watch_other_hosts(peers: Iterable[int], silent_s: float) -> None:
     process's watcher of aborts posted there and of their heartbeats (see [Note: a silent host] in
     liveness.py); a peer silent for ``silent_s`` (at most ``SILENT_S``) aborts this host's engines."""
     global _watcher
-    _HEARTBEATS.watch(_store(), dist.get_rank(), peers, silent_s)
+    _HEARTBEATS.watch(job_store(), dist.get_rank(), peers, silent_s)
     if _watcher is None:
         _stopping.clear()
         _watcher = threading.Thread(target=_watch, name="hfreduce-abort", daemon=True)
@@ -81,7 +82,7 @@ def watch_other_hosts(peers: Iterable[int], silent_s: float) -> None:
 def forget_other_hosts(peers: Iterable[int]) -> None:
     """That engine closed: its peers are no longer watched (this rank tells them it left)."""
     try:
-        _HEARTBEATS.forget(_store(), dist.get_rank(), peers)
+        _HEARTBEATS.forget(job_store(), dist.get_rank(), peers)
     except (RuntimeError, ValueError) as error:  # the job is over (no store, no process group)
         log.debug("could not post that this rank left: %s", error)
 
@@ -126,8 +127,8 @@ def _watch() -> None:
         while not _stopping.wait(_POLL_S):
             if not dist.is_initialized():
                 continue
-            if _store() is not watched:  # a new default group: its own store
-                watched = _store()
+            if job_store() is not watched:  # a new default group: its own store
+                watched = job_store()
                 connection = watched.clone()
             if connection.check([_KEY]):
                 rank, reason = connection.get(_KEY).decode().split("\n", 1)
@@ -143,8 +144,3 @@ def _watch() -> None:
         log.debug("stopped watching for aborts: %s", error)
     finally:
         _watcher = None
-
-
-def _store() -> Any:
-    """The default process group's store (torch has no public getter; this is the one private call)."""
-    return dist.distributed_c10d._get_default_store()

@@ -21,9 +21,9 @@ backward), so it is refused.
 
 [Note: a stage's own error] A stage that raises in its own compute (a model's error on stage 1) ends its
 process, and its peers only see gloo's "Connection closed by peer". So before it raises, it posts its error
-in the default group's store (the job's rendezvous store, which every rank reaches; torch has no public
-getter for it), and a peer whose transfer with it fails reads it there and adds it to its own error: rank 0's
-log names the real cause. Best effort: when the store is gone (its host, rank 0, failed) nothing is added.
+in the job's store (``hfreduce.job_store``: the default group's rendezvous store, which every rank reaches),
+and a peer whose transfer with it fails reads it there and adds it to its own error: rank 0's log names the
+real cause. Best effort: when the store is gone (its host, rank 0, failed) nothing is added.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
+from lightning_haiscale.hfreduce.job_store import job_store
 from lightning_haiscale.pipeline import p2p
 from lightning_haiscale.pipeline.schedule import (
     Action,
@@ -327,8 +328,7 @@ class _Step:
         """A receive buffer: the pool's for this message of the step, when the step has a pool."""
         if self.cfg.buffers is None:
             return p2p.empty_buffer(metas, self.device)
-        key = (t.action.stage, t.action.type.value, t.action.microbatch, t.header)
-        return self.cfg.buffers.get(key, metas, self.device)
+        return self.cfg.buffers.get(t.key, metas, self.device)
 
     def _activation_metas(self, t: Transfer) -> list[p2p.TensorMeta]:
         """The payload's layout: from its header (waited for here: it came in an earlier batch) or this step's."""
@@ -426,17 +426,12 @@ def _describe(value: Any) -> str:
 _FAILED = "lightning_haiscale/pipeline/failed/{}"  # + the global rank; in the default group's store
 
 
-def _store() -> Any:
-    """The default process group's store (torch has no public getter): see [Note: a stage's own error]."""
-    return dist.distributed_c10d._get_default_store()
-
-
 def _post_failure(item: Action | Batch, error: Exception) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     text = str(error).splitlines()[0][:400] if str(error) else ""
     try:
-        _store().set(_FAILED.format(dist.get_rank()), f"{_name(item)} raised {type(error).__name__}: {text}")
+        job_store().set(_FAILED.format(dist.get_rank()), f"{_name(item)} raised {type(error).__name__}: {text}")
     except RuntimeError as failure:  # the store's host is gone: nothing to tell
         log.debug("could not post this stage's error: %s", failure)
 
@@ -449,7 +444,7 @@ def _posted_failure(peer: int, group: dist.ProcessGroup | None) -> str:
     rank = dist.get_global_rank(group, peer) if group is not None else peer
     key = _FAILED.format(rank)
     try:
-        store = _store()
+        store = job_store()
         return f"\n(global rank {rank}'s own error: {store.get(key).decode()})" if store.check([key]) else ""
     except RuntimeError:
         return ""

@@ -45,6 +45,7 @@ __all__ = [
     "ActionType",
     "Batch",
     "Transfer",
+    "TransferKey",
     "add_communication",
     "build_schedule",
     "check_chunks",
@@ -351,6 +352,16 @@ class Transfer:
         """Identical at both ends of the message (and different for every other message of the step)."""
         return (*_message_key(self.action), self.header)
 
+    @property
+    def key(self) -> TransferKey:
+        """This end of the message as a plain tuple, unique among a step's transfers (the stage's rank is implied):
+        cheap to hash and compare, for tables of a step's transfers (the simulator's, the receive buffers')."""
+        return (self.action.stage, self.action.type.value, self.action.microbatch, self.header)
+
+
+TransferKey = tuple[int, str, int, bool]
+"""``Transfer.key``: (stage, action type's value, microbatch, header)."""
+
 
 Batch = tuple[Transfer, ...]
 
@@ -472,8 +483,8 @@ class _NcclModel:
         self.schedule, self.num_stages, self.every = schedule, num_stages, header_every_microbatch
         self.programs = {rank: lower(actions, header_every_microbatch) for rank, actions in schedule.items()}
         self.position = dict.fromkeys(schedule, 0)
-        self.streams: dict[int, list[set[_Key]]] = {rank: [] for rank in schedule}
-        self.done: set[_Key] = set()
+        self.streams: dict[int, list[set[TransferKey]]] = {rank: [] for rank in schedule}
+        self.done: set[TransferKey] = set()
         self.links: dict[tuple[int, int], tuple[list[Transfer], list[Transfer], list[int]]] = {}
 
     def finished(self) -> bool:
@@ -500,12 +511,12 @@ class _NcclModel:
     def _ready(self, rank: int, item: Action | Batch) -> bool:
         if isinstance(item, Action):
             needed = _receives(item, self.num_stages)
-            return all(_key(Transfer(r)) in self.done for r in needed)
+            return all(Transfer(r).key in self.done for r in needed)
         headers = [header_of(t, self.every) for t in item]
-        return all(_key(h) in self.done for h in headers if h is not None)
+        return all(h.key in self.done for h in headers if h is not None)
 
     def _issue(self, rank: int, batch: Batch) -> None:
-        self.streams[rank].append({_key(t) for t in batch})
+        self.streams[rank].append({t.key for t in batch})
         for t in batch:
             peer = self._rank(t.peer_stage)
             link = (rank, peer) if t.is_send else (peer, rank)
@@ -528,7 +539,7 @@ class _NcclModel:
                         )
                     if not (self._running(src, send) and self._running(dst, recv)):
                         break
-                    self.done |= {_key(send), _key(recv)}
+                    self.done |= {send.key, recv.key}
                     matched[0] += 1
                     changed = True
             for stream in self.streams.values():
@@ -540,7 +551,7 @@ class _NcclModel:
 
     def _running(self, rank: int, transfer: Transfer) -> bool:
         stream = self.streams[rank]
-        return bool(stream) and _key(transfer) in stream[0]
+        return bool(stream) and transfer.key in stream[0]
 
     def blocked(self) -> str:
         parts = []
@@ -552,15 +563,7 @@ class _NcclModel:
         return "; ".join(parts)
 
 
-_Key = tuple[int, str, int, bool]
-
-
-def _key(t: Transfer) -> _Key:
-    """A transfer as a plain tuple (unique in a step: the stage's rank is implied): cheap to hash and compare."""
-    return (t.action.stage, t.action.type.value, t.action.microbatch, t.header)
-
-
-def _name(key: _Key) -> str:
+def _name(key: TransferKey) -> str:
     return str(Transfer(Action(key[0], ActionType(key[1]), key[2]), key[3]))
 
 

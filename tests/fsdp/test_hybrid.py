@@ -17,7 +17,6 @@ from torch.distributed.device_mesh import init_device_mesh
 import lightning_haiscale.hfreduce.hierarchical as hierarchical
 from lightning_haiscale.fsdp import FullyShardedDataParallel, hybrid_groups
 from lightning_haiscale.fsdp.dcp import load_dcp, save_dcp
-from lightning_haiscale.hfreduce import Communicator
 from tests.distributed import run_distributed
 from tests.fsdp.models import CASES, sgd_reference, token_batches
 from tests.fsdp.test_sharding import LR, STEPS, train, wrap
@@ -158,7 +157,7 @@ def _resume(rank: int, world: int, folder: str) -> dict:
             from_full = from_full and _equal(
                 fresh.full_optim_state_dict(fresh_opt, rank0_only=False)["state"], full_optim["state"]
             )
-            dcp_fresh = wrap("example", sharding_strategy=strategy, device_mesh=mesh, communicator=None)
+            dcp_fresh = wrap("example", sharding_strategy=strategy, device_mesh=mesh)
             dcp_opt = torch.optim.SGD(dcp_fresh.parameters(), lr=LR, momentum=0.9)
             dcp_fresh(token_batches(1, 2)[0][:, :-1]).sum().backward()  # the momentum buffers exist to load into
             dcp_opt.step()
@@ -193,19 +192,18 @@ def _bad(rank: int, world: int) -> dict:
     for kwargs, error, match in BAD:
         with pytest.raises(error, match=match):
             wrap("example", **kwargs)
-    # an engine passed in (as the strategies pass theirs) serves every strategy
+    # the timeout passed in (as the strategies pass theirs) reaches the engines of every strategy
     sizes = {}
     for strategy in ("FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"):
-        engine = Communicator(timeout=timedelta(seconds=7))
         model = wrap("example", sharding_strategy=strategy, device_mesh=(2, 1) if "HYBRID" in strategy else None,
-                     communicator=engine)  # fmt: skip
+                     timeout=timedelta(seconds=7))  # fmt: skip
         replicate = model.replicate_comm
         sizes[strategy] = (model.comm.world_size, replicate.world_size if replicate else None, model.comm.timeout)
         model.close()
     return sizes
 
 
-def test_bad_meshes_name_the_fix_and_a_given_engine_serves_every_strategy() -> None:
+def test_bad_meshes_name_the_fix_and_the_timeout_reaches_every_strategys_engines() -> None:
     seven = timedelta(seconds=7)
     for sizes in run_distributed(_bad, 2):
         assert sizes == {"FULL_SHARD": (2, None, seven), "NO_SHARD": (1, 2, seven), "HYBRID_SHARD": (1, 2, seven)}

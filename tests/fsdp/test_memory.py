@@ -1,8 +1,8 @@
 """hai_fsdp's memory during backward (issue #15, GPT-2 Medium's peak): at most two units' unsharded gradients
-alive at once (fully_sharded [Note: one reduce-scatter in flight]), and a root unit whose backward is
+alive at once (scheduler [Note: one reduce-scatter in flight]), and a root unit whose backward is
 interrupted by the others' keeps no gradient across them and makes no flat copy of its gradients
 (param_group [Note: reducing a unit's gradients]); under activation checkpointing, recomputing a unit gathers no
-other unit (fully_sharded [Note: recomputation])."""
+other unit (scheduler [Note: recomputation])."""
 
 from __future__ import annotations
 

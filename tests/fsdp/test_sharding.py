@@ -13,7 +13,6 @@ from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 
 from lightning_haiscale.fsdp import FullyShardedDataParallel, ShardingStrategy, ShardState
 from lightning_haiscale.fsdp.sharding import resolve_strategy
-from lightning_haiscale.hfreduce import Communicator
 from tests.distributed import run_distributed
 from tests.fsdp.models import CASES, sgd_reference, token_batches
 from tests.fsdp.test_checkpoint_wrapped import checkpoint_blocks
@@ -106,17 +105,19 @@ def test_full_shard_grad_op_and_no_shard_match_one_process(world: int) -> None:
 
 
 def _no_shard_alone(rank: int, world: int) -> str:
-    comm = Communicator(dist.group.WORLD)
-    model = FullyShardedDataParallel(torch.nn.Linear(4, 4), sharding_strategy="NO_SHARD", communicator=comm)
+    model = FullyShardedDataParallel(torch.nn.Linear(4, 4), sharding_strategy="NO_SHARD")
     model(torch.ones(2, 4)).sum().backward()  # and it trains on its own engine
+    assert model.replicate_comm is None  # nothing to replicate over on one rank: no second engine
+    model.close()
     try:
-        comm.barrier()
+        model.comm.barrier()
     except RuntimeError as error:
         return str(error)
     return "still open"
 
 
-def test_no_shard_on_one_rank_closes_the_engine_it_was_given() -> None:
-    """Was: NO_SHARD on one rank (nothing to replicate over) neither used nor closed the given engine, whose
-    thread and shared memory then lived on with the model's; FSDP owns a given engine, as under hybrid sharding."""
+def test_no_shard_on_one_rank_builds_one_engine_and_closes_it() -> None:
+    """Was: NO_SHARD on one rank (nothing to replicate over) neither used nor closed a given engine, whose thread
+    and shared memory then lived on with the model's. The wrapper now builds its engines itself (the strategies
+    pass a ``timeout``): on one rank only the one it uses, which ``close()`` stops."""
     assert run_distributed(_no_shard_alone, 1) != ["still open"]
