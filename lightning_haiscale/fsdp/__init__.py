@@ -6,6 +6,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after wrapping: se
 ```
 
 - ``fully_sharded``: ``FullyShardedDataParallel``; its checkpoint methods are the one entry point per operation.
+- ``scheduler``: the hook scheduler: when each unit is gathered, resharded and reduced within a step.
 - ``param_group``: one sharded unit, FSDP2's verbs, its ``ShardState`` and ``TrainingState``.
 - ``layout``: the wrapper's public face: units and, per unit, names, shapes and shard slices.
 - ``sharding``: the sharding strategies (``ShardingStrategy``), each a small policy.

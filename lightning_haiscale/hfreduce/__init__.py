@@ -13,6 +13,7 @@
 - ``errors``: the engine's errors.
 - ``abort``: ``abort_job``: one failing rank ends every rank's collectives.
 - ``liveness``: heartbeats through the store, so a silent host is named.
+- ``job_store``: the job's store (the default group's), where aborts and a stage's error are posted.
 - ``at_exit``: what the library started, ended before the interpreter finalizes.
 - ``_native``: loads the native ``lightning_haiscale._C`` on first use.
 """
