@@ -27,7 +27,7 @@ from lightning_haiscale.hfreduce.at_exit import call_at_exit
 from lightning_haiscale.hfreduce.job_store import job_store
 from lightning_haiscale.hfreduce.liveness import Heartbeats
 
-__all__ = ["abort_job", "forget_other_hosts", "register_engine", "watch_other_hosts"]
+__all__ = ["abort_job", "forget_other_hosts", "job_failure", "register_engine", "watch_other_hosts"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ _watcher: threading.Thread | None = None
 _stopping = threading.Event()
 _HEARTBEATS = Heartbeats()
 _LOST: list[str] = []  # why a peer on another host was declared lost, once one was
+_POSTED: list[str] = []  # the abort another host posted, once one was
 
 
 def register_engine(engine: _Abortable) -> None:
@@ -87,6 +88,13 @@ def forget_other_hosts(peers: Iterable[int]) -> None:
         log.debug("could not post that this rank left: %s", error)
 
 
+def job_failure() -> str | None:
+    """Why this job is failing, as the watcher learned it: a peer on another host declared lost or an abort
+    posted there; ``None`` while neither happened. Waits outside the engine (a pipeline's transfers across
+    hosts) poll it, so that they end within seconds too."""
+    return next(iter(_LOST + _POSTED), None)
+
+
 def _stop_watching() -> None:
     """Ends the watcher before the interpreter finalizes (see [Note: a finished job exits 0] in at_exit.py).
     A daemon thread that is inside a store call when Python finalizes exits through pybind11's
@@ -95,6 +103,11 @@ def _stop_watching() -> None:
     if watcher is not None:
         _stopping.set()
         watcher.join(_EXIT_JOIN_S)
+    try:  # what watches without an engine (a pipeline's stages across hosts) leaves here
+        if dist.is_initialized():
+            _HEARTBEATS.leave(job_store(), dist.get_rank())
+    except (RuntimeError, ValueError) as error:
+        log.debug("could not post that this rank left: %s", error)
 
 
 def _exit_now_if_a_host_was_lost() -> None:
@@ -132,6 +145,7 @@ def _watch() -> None:
                 connection = watched.clone()
             if connection.check([_KEY]):
                 rank, reason = connection.get(_KEY).decode().split("\n", 1)
+                _POSTED.append(reason)
                 _abort_here(int(rank), reason)
                 return
             lost = _HEARTBEATS.tick(connection, dist.get_rank())

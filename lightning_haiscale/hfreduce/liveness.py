@@ -60,6 +60,14 @@ class Heartbeats:
             if not self._peers:
                 store.set(f"{_PREFIX}{rank}", str(_LEFT))
 
+    def leave(self, store: Any, rank: int) -> None:
+        """This process ends: it stops watching and writes that it left, so that no peer takes it for lost."""
+        with self._lock:
+            watching, self._peers = bool(self._peers), Counter()
+            self._seen.clear()
+        if watching:
+            store.set(f"{_PREFIX}{rank}", str(_LEFT))
+
     def tick(self, connection: Any, rank: int) -> tuple[int, str] | None:
         """Called by the watcher thread often: beats and checks at most every ``BEAT_S``; returns
         ``(peer, reason)`` for a peer silent for too long, else None."""

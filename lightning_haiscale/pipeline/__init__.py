@@ -12,6 +12,7 @@ losses, _ = model.forward_backward(x, criterion=lambda out, y: F.cross_entropy(o
 - ``schedule``: schedules as data: ``"1F0"`` actions per rank, built, checked and simulated by pure functions.
 - ``executor``: the one executor of any rank's actions.
 - ``p2p``: transfer of a stage boundary (a tuple of tensors of any shapes and dtypes).
+- ``hosts``: the stages on other hosts, watched, so a silent host ends a transfer's wait within seconds.
 - ``partition``: stages from a network, and the process groups of DP x PP.
 - ``balance``: the contiguous cut of layers that minimizes the heaviest stage.
 - ``split``: cutting any module at block boundaries, by name or along its blocks.

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from lightning_haiscale.hfreduce.job_store import job_store
 from lightning_haiscale.pipeline import p2p
+from lightning_haiscale.pipeline.hosts import HostWatch
 from lightning_haiscale.pipeline.schedule import (
     Action,
     ActionType,
@@ -94,6 +95,7 @@ class StepConfig:
     checkpoint: Callable[[int], bool] = lambda m: False
     forward_context: Callable[[], AbstractContextManager] | None = None
     buffers: p2p.BufferPool | None = None
+    hosts: HostWatch | None = None  # the peers on other hosts, whose loss ends a wait (see pipeline.hosts)
     """Receive buffers reused across steps (see [Note: buffer reuse] in ``p2p``); None: fresh ones."""
     calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]] | None = None
     """Each microbatch's call of a split module, given to every stage (see ``ModuleStage``); None: none."""
@@ -360,7 +362,7 @@ class _Step:
     def _wait(self, t: Transfer, work: Any) -> None:
         """Waits for one transfer; a failure or timeout names the action, both stages and the schedule."""
         try:
-            work.wait()
+            self.cfg.hosts.wait(work) if self.cfg.hosts is not None else work.wait()
         except RuntimeError as error:
             raise PipelineCommunicationError(self._failure(t, error)) from error
 

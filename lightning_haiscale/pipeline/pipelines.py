@@ -20,6 +20,7 @@ from lightning_haiscale.pipeline.executor import (
     issue_order,
     run_actions,
 )
+from lightning_haiscale.pipeline.hosts import HostWatch
 from lightning_haiscale.pipeline.module_stage import ModuleStage
 from lightning_haiscale.pipeline.p2p import BufferPool
 from lightning_haiscale.pipeline.partition import SequentialModel
@@ -143,6 +144,7 @@ class Pipeline(nn.Module):
         self.rank = dist.get_rank(process_group) if initialized else 0
         self.num_ranks = dist.get_world_size(process_group) if initialized else 1
         self.num_stages = self.num_ranks * len(modules)
+        self.hosts = HostWatch(process_group) if initialized and self.num_ranks > 1 else None
         if self.num_ranks == 1 and len(modules) > 1:
             raise ValueError(
                 f"{len(modules)} model chunks per rank need at least 2 pipeline ranks, got 1: use one chunk per "
@@ -174,6 +176,12 @@ class Pipeline(nn.Module):
                 order, self.num_ranks, microbatches, len(self.stages), forward_only=forward_only
             )
         return self._schedules[key]
+
+    def close(self) -> None:
+        """Stops watching the stages on other hosts (see [Note: a silent host in a pipeline] in ``hosts``);
+        a finished process also stops at exit. Idempotent."""
+        if self.hosts is not None:
+            self.hosts.close()
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Gradient accumulation: no data-parallel stage all-reduces inside this context."""
@@ -328,6 +336,7 @@ class Pipeline(nn.Module):
             checkpoint=lambda m: policy == "always" or (policy == "except_last" and m != n - 1),
             forward_context=self.forward_context,
             buffers=self._receive_buffers,
+            hosts=self.hosts,
         )
 
     def _run(

@@ -333,6 +333,8 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
                 stage.close()
         if self._step is not None:
             self._step.close()
+        if self._pipeline is not None:
+            self._pipeline.close()
         super().teardown()
 
     @classmethod
