@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -56,18 +57,37 @@ def loop(out: Path, phase: str = "engine") -> None:
     dist.init_process_group("gloo", timeout=timeout)
     started, hosts = time.time(), None
     try:
-        comm = Communicator(timeout=timeout)
-        hosts = comm.num_hosts
-        tensor = torch.ones(1 << 12)
+        if phase == "pipeline":  # stage-to-stage transfers only: no engine (a pipeline spanning the hosts)
+            step, hosts = _pipeline_step()
+        else:
+            comm = Communicator(timeout=timeout)
+            hosts = comm.num_hosts
+            tensor = torch.ones(1 << 12)
+            step = lambda: comm.all_reduce(tensor, op="avg") if phase == "engine" else dist.barrier()  # noqa: E731
         for _ in range(20):
-            comm.all_reduce(tensor, op="avg")
+            step() if phase == "pipeline" else comm.all_reduce(tensor, op="avg")
         (out / f"ready{dist.get_rank()}").touch()
-        while True:  # a collective of the engine, or a wait outside it (a checkpoint's barrier)
-            comm.all_reduce(tensor, op="avg") if phase == "engine" else dist.barrier()
+        while True:  # a collective of the engine, a wait outside it (a checkpoint's barrier), or a pipeline's
+            step()
     except Exception as error:
         message = f"{type(error).__name__}: {error}"
         _write(out, {"error": message, "at": time.time(), "started": started, "hosts": hosts})
         sys.exit(1)
+
+
+def _pipeline_step() -> tuple[Callable[[], object], int]:
+    """One PipeDream step over the world (stages 0-1 on one host, 2-3 on the other), and the hosts it spans."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from lightning_haiscale.pipeline import PipeDream, partition
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+    pipe = PipeDream(partition(model, dist.get_rank(), dist.get_world_size()), chunks=4)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    criterion = lambda out, target: F.mse_loss(out, target) / 4  # noqa: E731
+    return (lambda: pipe.forward_backward(x, criterion=criterion, labels=(y,))), 1 + bool(pipe.hosts.peers)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,14 @@ def test_a_silent_host_is_named_within_seconds(two_hosts: TwoHosts) -> None:
     assert max(delays) < SILENT_S + 20, delays  # the heartbeat's silence, and a loaded machine's margin
 
 
+def test_a_silent_host_in_a_pipeline_is_named_within_seconds(two_hosts: TwoHosts) -> None:
+    """A pipeline alone (no engine) spanning the hosts: a stage-to-stage transfer's wait ends naming the rank."""
+    delays = _survivors_name_the_lost_host(two_hosts, "drop_link", phase="pipeline")
+    print(f"silent host in a pipeline: named after {max(delays):.2f} s")
+    assert max(delays) < SILENT_S + 20, delays
+    assert "is silent: no heartbeat for" in two_hosts.logs(), two_hosts.logs()
+
+
 def test_one_node_id_on_two_hosts_fails_at_once_naming_it(two_hosts: TwoHosts) -> None:
     """HFREDUCE_NODE_ID says one host, but the two cannot see each other's /dev/shm: the named error, at once."""
     two_hosts.start(["loop"], names=["a", "b"], env={"JOB_TIMEOUT_S": str(_JOB_S), "HFREDUCE_NODE_ID": "same"})
