@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["AutoWrapPolicy", "ParamRef", "assign_params", "check_policy", "unit_modules", "unit_scopes"]
+__all__ = [
+    "AutoWrapPolicy",
+    "ParamRef",
+    "assign_params",
+    "check_policy",
+    "unit_modules",
+    "unit_scopes",
+    "with_units",
+]
 
 AutoWrapPolicy = Callable[..., bool] | Iterable[type[nn.Module]]
 """A torch policy (``size_based_auto_wrap_policy``, ``ModuleWrapPolicy``, a ``transformer_auto_wrap_policy``
@@ -53,6 +61,23 @@ def _as_callable(policy: AutoWrapPolicy) -> Callable[..., bool]:
             f"transformer_auto_wrap_policy partial) or a set of nn.Module classes, got {policy!r}"
         )
     return lambda module, recurse, nonwrapped_numel: recurse or isinstance(module, classes)
+
+
+def with_units(policy: AutoWrapPolicy | None, modules: Iterable[nn.Module]) -> AutoWrapPolicy:
+    """``policy``, and ``modules`` each a unit of its own too (a pipeline puts a parameter tied across stages in
+    a unit of its own, so that both stages shard it alike)."""
+    chosen = {id(m) for m in modules}
+    base = _as_callable(policy) if policy is not None else None
+
+    def wrap(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        if recurse:
+            return True  # reach every chosen module, wherever it is
+        chosen_here = id(module) in chosen
+        return chosen_here or (
+            base is not None and base(module=module, recurse=False, nonwrapped_numel=nonwrapped_numel)
+        )
+
+    return wrap
 
 
 def unit_modules(root: nn.Module, policy: AutoWrapPolicy | None) -> list[nn.Module]:

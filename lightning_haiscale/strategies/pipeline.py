@@ -245,19 +245,6 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
         if not fitting or self.world_size == self.stages_per_pipeline:
             return list(self._stages)
         ties = recorded_ties(self._stages)[0]
-        if self._sharding is not None:
-            if ties:  # every rank knows every tie: all raise, before any collective
-                raise ValueError(
-                    f"{type(self).__name__}(data_parallel='fsdp'): {ties[0].describe()} is one parameter held by "
-                    "two model chunks, whose copies would be sharded differently; tied parameters across stages "
-                    "are not supported with sharded stages yet. Untie it, choose split_points that keep its uses "
-                    "in one stage, or use data_parallel='ddp'"
-                )
-            self._sharded = ShardedStages.wrap(
-                self._stages, self._sharding, self.rank_layout, self._groups, self.root_device, self._timeout,
-                str(self.precision_plugin.precision),
-            )  # fmt: skip
-            return list(self._sharded.wrappers)
         shared = ties_within_a_rank(ties, self.stages_per_pipeline)
         if shared:  # every rank knows every tie: all raise, before any collective
             raise ValueError(
@@ -267,6 +254,12 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
                 "parameter two chunks share is not supported there. Untie it, choose split_points that keep its "
                 "uses in one stage, or train one pipeline over every rank (pp_size=None)"
             )
+        if self._sharding is not None:
+            self._sharded = ShardedStages.wrap(
+                self._stages, ties, self._sharding, self.rank_layout, self._groups, self.root_device,
+                self._timeout, str(self.precision_plugin.precision),
+            )  # fmt: skip
+            return list(self._sharded.wrappers)
         return [DistributedDataParallel(s, process_group=self._dp_group) for s in self._stages]
 
     def _build_pipeline(self, stages: list[nn.Module]) -> Pipeline:
@@ -282,7 +275,10 @@ class _PipelineStrategy(PipelineCheckpoints, HaiParallelStrategy):
             self._pipeline.clip_grad_norm_(max_norm)
             return
         groups = (self._sharded.shard_group, self._pp_group)  # a stage's shards, then the pipeline's stages
-        clip_grad_norm_(self._pipeline.parameters(), max_norm, process_group=groups)
+        params, tied = list(self._pipeline.parameters()), self._pipeline.tied
+        counted = [p for p in params if not tied.is_duplicate(p)]  # a tied parameter counts once
+        total = clip_grad_norm_(counted, max_norm, process_group=groups)
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if tied.is_duplicate(p)], max_norm, total)
 
     # ----- steps -------------------------------------------------------------------------------------
 

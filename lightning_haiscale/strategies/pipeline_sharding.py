@@ -13,6 +13,13 @@ made at save time and cut again at load time, here: the weights inside every chu
 (collective over its data-parallel ranks), an optimizer's states by gathering each chunk's pieces with the
 wrapper's ``full_optim_state_dict`` into the optimizer's own index-keyed layout (``optimizer.state_dict()``'s,
 with whole tensors), and loading by slicing each whole state back to the piece this rank holds.
+
+[Note: tied parameters of sharded stages]
+A parameter two stages hold (GPT-2's token embedding and its head) is kept equal by summing its copies'
+gradients over the holders (``pipeline.ties``), which is right for pieces only if every copy is cut alike. So
+the module holding a copy becomes a unit of its own in every stage (``fsdp.wrap.with_units``): the copy is the
+unit's one parameter, its flat shape is the same in each stage and each data-parallel rank holds the same
+slice of it in every stage. A holder that holds other parameters too is refused on every rank, naming it.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from lightning_haiscale.adapter.arguments import check_choice
 from lightning_haiscale.adapter.fsdp_options import HaiFSDPOptions, hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.fsdp import FullyShardedDataParallel
 from lightning_haiscale.fsdp.layout import ParamSlice
+from lightning_haiscale.fsdp.wrap import with_units
 from lightning_haiscale.hfreduce.topology import Topology
+from lightning_haiscale.pipeline.ties import Tie
 from lightning_haiscale.rank_layout import RankGroups, RankLayout
 
 __all__ = ["DATA_PARALLEL", "ShardedStages", "check_data_parallel", "sharded_layout"]
@@ -115,6 +124,7 @@ class ShardedStages:
     def wrap(
         cls,
         stages: Sequence[nn.Module],
+        ties: Sequence[Tie],
         options: HaiFSDPOptions,
         layout: RankLayout,
         groups: RankGroups,
@@ -122,20 +132,25 @@ class ShardedStages:
         timeout: timedelta,
         precision: str,
     ) -> ShardedStages:
-        """Shards every chunk of ``stages`` (collective over the data-parallel ranks, one chunk after another)."""
+        """Shards every chunk of ``stages`` (collective over the data-parallel ranks, one chunk after another);
+        each module holding a parameter of ``ties`` becomes a unit of its own (see [Note: tied parameters of
+        sharded stages])."""
         placement: dict[str, Any] = {"process_group": groups.data_parallel}
         if groups.replicate is not None:
             mesh = _stage_mesh(layout, groups, dist.get_rank(), device.type)
             placement["device_mesh"] = mesh
-        wrapper_options = HaiFSDPOptions(
-            wrapper={**options.wrapper, **placement},
-            sharding_strategy=options.sharding_strategy,
-            mixed_precision=options.mixed_precision,
-            torch_mixed_precision_given=options.torch_mixed_precision_given,
-            activation_checkpointing=options.activation_checkpointing,
-            cpu_offload=options.cpu_offload,
-        )
-        wrappers = [wrap_hai_fsdp(stage, device, timeout, precision, wrapper_options) for stage in stages]
+        wrappers = []
+        for stage, owners in zip(stages, _tie_owners(stages, ties), strict=True):
+            policy = with_units(options.wrapper.get("auto_wrap_policy"), owners) if owners else None
+            wrapper_options = HaiFSDPOptions(
+                wrapper={**options.wrapper, **placement, **({"auto_wrap_policy": policy} if policy else {})},
+                sharding_strategy=options.sharding_strategy,
+                mixed_precision=options.mixed_precision,
+                torch_mixed_precision_given=options.torch_mixed_precision_given,
+                activation_checkpointing=options.activation_checkpointing,
+                cpu_offload=options.cpu_offload,
+            )
+            wrappers.append(wrap_hai_fsdp(stage, device, timeout, precision, wrapper_options))
         return cls(wrappers, groups.shard if groups.shard is not None else groups.data_parallel)
 
     @contextlib.contextmanager
@@ -185,6 +200,29 @@ def _slices(wrapper: FullyShardedDataParallel) -> dict[int, ParamSlice]:
     """id(piece) -> which elements of its parameter the piece holds."""
     by_key = {key: param for _, param in wrapper.layout.params() for key in param.names}
     return {id(v): by_key[k] for k, v in wrapper.module.state_dict(keep_vars=True).items() if k in by_key}
+
+
+def _tie_owners(stages: Sequence[nn.Module], ties: Sequence[Tie]) -> list[list[nn.Module]]:
+    """Per chunk, the modules holding its copies of tied parameters; raises on every rank (collective over the
+    world) unless each holds nothing else, so that every copy is alone in its unit."""
+    owners: list[list[nn.Module]] = []
+    refused: list[str] = []
+    for stage in stages:
+        copies = stage.local_ties() if ties else {}  # partition's stages: this chunk's copy of each tie it holds
+        holders = {tie: [m for m in stage.modules() if any(p is param for p in m.parameters(recurse=False))]
+                   for tie, param in copies.items()}  # fmt: skip
+        refused += [tie.describe() for tie, found in holders.items() if len(list(found[0].parameters())) != 1]
+        owners.append([found[0] for found in holders.values()])
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, refused)
+    refused = [r for rank in every for r in rank]
+    if refused:
+        raise ValueError(
+            f"data_parallel='fsdp' shards a parameter tied across stages only when the module holding it holds "
+            f"nothing else (as GPT-2's wte and its head without bias), so that every stage shards it alike; "
+            f"{refused[0]} shares its module with other parameters. Untie it, or use data_parallel='ddp'"
+        )
+    return owners
 
 
 def _piece(value: Any, where: ParamSlice) -> Any:

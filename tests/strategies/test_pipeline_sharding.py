@@ -125,20 +125,33 @@ def test_bad_sharding_arguments_are_named(kwargs: dict, error: type, match: str)
         PipeDreamStrategy(chunks=2, **kwargs)
 
 
-def _hugging_face(rank: int, world: int) -> None:
+def _real_models(rank: int, world: int, tmp: str) -> None:
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from tests.strategies import real_models
 
-    make, loss = real_models.MODELS["llama"]
-    expected, _ = real_models.one_process(make, loss, dp=2)
-    strategy = PipeDreamStrategy(chunks=2, pp_size=2, data_parallel="fsdp", auto_wrap_policy={LlamaDecoderLayer})
-    trainer = real_models.fit(make, loss, strategy, dp=2, dp_rank=rank // 2)
-    real_models.check(trainer.strategy.lightning_module_state_dict(), expected, "llama", "llama pp 2 x fsdp 2")
-    make, loss = real_models.MODELS["gpt2"]  # its head is tied to the embedding: the first and last stage's
-    with pytest.raises(ValueError, match=r"data_parallel='fsdp'.*tied parameters across stages are not supported"):
-        real_models.fit(make, loss, PipeDreamStrategy(chunks=2, **SHARDED), dp=2, dp_rank=rank // 2)
+    blocks = {"llama": LlamaDecoderLayer, "gpt2": GPT2Block, "litgpt": real_models.Block}
+    for name, block in blocks.items():  # GPT-2's and the litgpt-style head are tied to the first stage's wte
+        make, loss = real_models.MODELS[name]
+        expected, _ = real_models.one_process(make, loss, dp=2, clip=CLIP)
+        strategy = PipeDreamStrategy(chunks=2, pp_size=2, data_parallel="fsdp", auto_wrap_policy={block})
+        trainer = real_models.fit(make, loss, strategy, dp=2, dp_rank=rank // 2, gradient_clip_val=CLIP)
+        label = f"{name} pp 2 x fsdp 2, clipped"
+        real_models.check(trainer.strategy.lightning_module_state_dict(), expected, name, label)
+    with pytest.raises(ValueError, match=r"'2.weight' \(stage 0\) = '4.weight' \(stage 1\) shares its module"):
+        fit(PipeDreamStrategy(chunks=2, balance=[3, 4], **SHARDED), tmp, module=_TiedWithBias())
 
 
-def test_an_unmodified_hugging_face_model_under_pp_x_fsdp() -> None:
-    run_distributed(_hugging_face, 4, timeout=600)
+class _TiedWithBias(Classifier):
+    """Two layers of different stages share a weight, each beside its own bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        widths = [(6, 16), (16, 16), (16, 16), (16, 4)]
+        self.net = nn.Sequential(*(m for a, b in widths for m in (nn.Linear(a, b), nn.Tanh())))[:-1]
+        self.net[4].weight = self.net[2].weight
+
+
+def test_unmodified_real_models_under_pp_x_fsdp_ties_included(tmp_path: Any) -> None:
+    run_distributed(_real_models, 4, str(tmp_path), timeout=600)

@@ -52,6 +52,7 @@ def fit(
     steps: int = STEPS,
     rows: int = BATCH * STEPS * 2,
     num_nodes: int = 1,
+    module: L.LightningModule | None = None,
     **kwargs: Any,
 ) -> L.Trainer:
     options = {
@@ -71,7 +72,7 @@ def fit(
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, num_nodes=num_nodes, **{**options, **kwargs}
     )
-    module = Classifier()
+    module = module if module is not None else Classifier()
     train, val = DataLoader(data(rows), batch_size=BATCH), DataLoader(data(), batch_size=BATCH)
     trainer.fit(module, train, val, ckpt_path=ckpt_path)
     return trainer
