@@ -91,7 +91,9 @@ class FullyShardedDataParallel(nn.Module):
         backward_prefetch: when backward prefetches the next unit (``None``: no backward prefetch).
         reshard_after_forward: ``False`` keeps each unit's gathered parameters from its forward to its backward:
             the same setting as ``sharding_strategy="SHARD_GRAD_OP"`` (``HYBRID_SHARD`` becomes
-            ``_HYBRID_SHARD_ZERO2``; see sharding [Note: one machine for every strategy]).
+            ``_HYBRID_SHARD_ZERO2``; see sharding [Note: one machine for every strategy]). ``None`` (the
+            default) frees them after each forward (FULL_SHARD, HYBRID_SHARD) but inside a
+            :meth:`microbatch_step`, which keeps them until the step ends; ``True`` frees them there too.
         mixed_precision: dtypes of the gathered parameters and of gradient reduction.
         device_id: device of the shards (an index means a CUDA device); default the parameters' device.
         sharding_strategy: torch FSDP's ``ShardingStrategy`` (member or name): ``FULL_SHARD``,
@@ -116,7 +118,7 @@ class FullyShardedDataParallel(nn.Module):
         process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
         auto_wrap_policy: AutoWrapPolicy | None = None,
         backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         mixed_precision: MixedPrecision | None = None,
         device_id: int | torch.device | None = None,
         *,
@@ -140,9 +142,12 @@ class FullyShardedDataParallel(nn.Module):
             forward_prefetch=forward_prefetch,
             use_orig_params=use_orig_params,
         )
-        self.sharding_strategy = resolve_strategy(sharding_strategy, reshard_after_forward)
+        self.sharding_strategy = resolve_strategy(
+            sharding_strategy, True if reshard_after_forward is None else reshard_after_forward
+        )
         """The strategy in effect (``reshard_after_forward=False`` made FULL_SHARD into SHARD_GRAD_OP)."""
         self.reshard_after_forward = self.sharding_strategy.reshard_after_forward
+        self._microbatch_reshard = reshard_after_forward is True  # see microbatch_step
         self.device = _resolve_device(device_id, module)
         check_cpu_offload(cpu_offload, self.device)
         self._ignored_modules, self._ignored_params = ignored(module, ignored_modules)
@@ -229,6 +234,33 @@ class FullyShardedDataParallel(nn.Module):
                 continue
             seen.add(id(piece))
             yield (f"{prefix}.{name}" if prefix else name), piece
+
+    def microbatch_step(
+        self, count: int, *, reshard_after_forward: bool | None = None
+    ) -> AbstractContextManager[None]:
+        """Runs the forwards and backwards inside as one step of ``count`` microbatches: each unit is gathered
+        once, at its first use, and stays gathered until the block ends; the gradients accumulate unsharded
+        over the microbatches, and the ``count``-th backward reduce-scatters each unit once (see scheduler
+        [Note: microbatch steps]). The pipelines enter it around every step of a stage that has it; around a
+        microbatch loop of your own::
+
+            with model.microbatch_step(len(microbatches)):
+                for x, y in microbatches:
+                    (loss_fn(model(x), y) / len(microbatches)).backward()
+            optimizer.step()
+
+        Call it on every rank of the model, around the same forwards and backwards; ``no_sync()`` around it (or
+        around its last backward) keeps the gradients unreduced as usual.
+
+        Args:
+            count: the microbatches of the step: one forward each, and one backward each when training (a
+                step with some backwards but not ``count`` raises at its end: none reduced the gradients).
+            reshard_after_forward: free each unit after every forward and gather it again for its backward
+                (less memory, one more all-gather per microbatch); default: the wrapper's
+                ``reshard_after_forward=True`` when given so, else keep them.
+        """
+        reshard = self._microbatch_reshard if reshard_after_forward is None else reshard_after_forward
+        return self._scheduler.microbatch_step(count, reshard_after_forward=reshard)
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Backward passes inside accumulate unsharded gradients locally; the first one outside reduces them."""

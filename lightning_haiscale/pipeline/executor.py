@@ -17,7 +17,10 @@ what was observed.
 pipeline itself is inside ``no_sync()`` (gradient accumulation) every backward is. torch's
 ``DistributedDataParallel`` decides at *forward* time whether a backward reduces, which no pipeline
 schedule can honor (backwards of other microbatches run between the last forward and the last
-backward), so it is refused.
+backward), so it is refused. A stage module that is a :class:`MicrobatchStepModule` (``lightning_haiscale.fsdp.
+FullyShardedDataParallel``) runs the whole step inside its ``microbatch_step(count)``, ``count`` being its
+microbatches of the step: it gathers its parameters once for all of them and reduces its gradients once, at the
+``count``-th backward (the last, which is outside ``no_sync()`` too).
 
 [Note: a stage's own error] A stage that raises in its own compute (a model's error on stage 1) ends its
 process, and its peers only see gloo's "Connection closed by peer". So before it raises, it posts its error
@@ -33,7 +36,7 @@ import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -55,7 +58,7 @@ from lightning_haiscale.pipeline.schedule import (
     post_ahead,
 )
 
-__all__ = ["PipelineCommunicationError", "StepResult", "issue_order", "run_actions"]
+__all__ = ["MicrobatchStepModule", "PipelineCommunicationError", "StepResult", "issue_order", "run_actions"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,15 @@ LossFn = Callable[[int, Any], torch.Tensor]
 
 
 _HEADER = p2p.TensorMeta((p2p.HEADER_SLOTS,), torch.int64, False)
+
+
+@runtime_checkable
+class MicrobatchStepModule(Protocol):
+    """A stage module that runs the microbatches of a step as one step, inside ``microbatch_step(count)``
+    (``FullyShardedDataParallel``: one all-gather and one reduce-scatter per unit and step; see [Note:
+    data-parallel stages])."""
+
+    def microbatch_step(self, count: int) -> AbstractContextManager[None]: ...
 
 
 class PipelineCommunicationError(RuntimeError):
@@ -128,21 +140,36 @@ def run_actions(
     """
     step = _Step(modules, inputs, config, actions, schedule)
     done = False
-    try:
-        for index, item in enumerate(program if program is not None else issue_order(actions, config)):
-            try:
-                step.run(item)
-            except Exception as error:
-                log.error("pipeline step item %d (%s) failed; schedule:\n%s", index, _name(item), format_grid(schedule))
-                if not isinstance(error, PipelineCommunicationError):
-                    _post_failure(item, error)
-                raise
-        done = True
-    finally:
-        step.finish(wait=done)
-        if not done and config.buffers is not None:
-            config.buffers.clear()
+    with contextlib.ExitStack() as stages:
+        for module, count in _microbatch_counts(modules, actions, config.num_ranks):
+            stages.enter_context(module.microbatch_step(count))
+        try:
+            for index, item in enumerate(program if program is not None else issue_order(actions, config)):
+                try:
+                    step.run(item)
+                except Exception as error:
+                    grid = format_grid(schedule)
+                    log.error("pipeline step item %d (%s) failed; schedule:\n%s", index, _name(item), grid)
+                    if not isinstance(error, PipelineCommunicationError):
+                        _post_failure(item, error)
+                    raise
+            done = True
+        finally:
+            step.finish(wait=done)
+            if not done and config.buffers is not None:
+                config.buffers.clear()
     return step.result
+
+
+def _microbatch_counts(
+    modules: Sequence[nn.Module], actions: Sequence[Action], num_ranks: int
+) -> list[tuple[MicrobatchStepModule, int]]:
+    """Each stage module that runs a step as one, with its microbatches in ``actions`` (its forwards)."""
+    return [
+        (module, sum(1 for a in actions if a.type is ActionType.FORWARD and a.stage // num_ranks == chunk))
+        for chunk, module in enumerate(modules)
+        if isinstance(module, MicrobatchStepModule)
+    ]
 
 
 def issue_order(actions: Sequence[Action], config: StepConfig) -> list[Action | Batch]:
