@@ -134,8 +134,8 @@ class ShardedStages:
     ) -> ShardedStages:
         """Shards every chunk of ``stages`` (collective over the data-parallel ranks, one chunk after another);
         each module holding a parameter of ``ties`` becomes a unit of its own (see [Note: tied parameters of
-        sharded stages])."""
-        placement: dict[str, Any] = {"process_group": groups.data_parallel}
+        sharded stages]). A step's microbatches gather each unit once (the pipelines' ``microbatch_step``)."""
+        placement: dict[str, Any] = {"process_group": groups.data_parallel, "reshard_after_forward": None}
         if groups.replicate is not None:
             mesh = _stage_mesh(layout, groups, dist.get_rank(), device.type)
             placement["device_mesh"] = mesh

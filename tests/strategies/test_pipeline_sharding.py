@@ -21,6 +21,7 @@ from lightning_haiscale.fsdp import FullyShardedDataParallel
 from lightning_haiscale.strategies import GPipeStrategy, HaiFSDPStrategy, Interleaved1F1BStrategy, PipeDreamStrategy
 from lightning_haiscale.testing.parity import BATCH, FLOAT64_TOLERANCES, STEPS, Classifier, reference
 from tests.distributed import run_distributed
+from tests.fsdp.test_pipeline_composition import _counting
 from tests.strategies.test_pipeline_strategies import CLIP, DTYPE, _check_full_state, fit
 
 SHARDED = {"data_parallel": "fsdp", "pp_size": 2, "auto_wrap_policy": {nn.Linear}}
@@ -35,8 +36,11 @@ def _every_schedule_and_mode(rank: int, world: int, tmp: str) -> None:
         "shard_grad_op": PipeDreamStrategy(chunks=2, sharding_strategy="SHARD_GRAD_OP", **SHARDED),
         "one unit per stage": PipeDreamStrategy(chunks=2, data_parallel="fsdp", pp_size=2),
     }.items():
-        trainer = fit(strategy, tmp)
+        with _counting() as counts:
+            trainer = fit(strategy, tmp, limit_val_batches=0)
         stages = trainer.strategy.pipeline.stages
+        units = sum(len(s.layout.units) for s in stages)
+        assert counts["all_gather"] == STEPS * units, (label, dict(counts), units)  # once per unit and step
         assert all(isinstance(s, FullyShardedDataParallel) for s in stages), label
         pieces = [p.numel() for s in stages for p in s.parameters()]
         whole = sum(p.numel() for p in trainer.strategy.lightning_module.parameters())
