@@ -7,11 +7,11 @@ CUDA all-reduce (one host, and two simulated hosts: the hierarchical path); plai
 parity; a Lightning Trainer fit of every strategy on 1 and 2 processes (DP x PP on 4) in 32-true, 16-mixed
 and bf16-mixed, with the pipelines' evaluation, Interleaved1F1B, GPipe with checkpointing, no_sync and
 find_unused_parameters (``benchmarks/gpu_fit.py``); hai_fsdp's sharding strategies, ``cpu_offload`` and activation
-checkpointing under bf16-mixed; a stream-race mode (GPU sleeps before collectives and
-in a backward hook, a step on a non-default stream); the suite's ``pytest -m gpu`` tests; the offload
-benchmark. Prints one table and exits non-zero on any mismatch. Without a GPU it says so and exits 0. The
-parity checks take a device, so the test suite runs them on CPU too (the script's own logic is tested where
-no GPU is).
+checkpointing under bf16-mixed; PP x FSDP (2 pipelines of 2 sharded stages, 4 processes) under bf16-mixed; a
+stream-race mode (GPU sleeps before collectives and in a backward hook, a step on a non-default stream); the
+suite's ``pytest -m gpu`` tests; the offload benchmark. Prints one table and exits non-zero on any mismatch.
+Without a GPU it says so and exits 0. The parity checks take a device, so the test suite runs them on CPU too
+(the script's own logic is tested where no GPU is).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch import nn
 
 from benchmarks import gpu_fit
 from lightning_haiscale.hfreduce import Communicator
-from lightning_haiscale.strategies import HaiFSDPStrategy
+from lightning_haiscale.strategies import HaiFSDPStrategy, PipeDreamStrategy
 from lightning_haiscale.testing import run_distributed
 from lightning_haiscale.testing.parity import FLOAT64_RTOL, default_dtype
 
@@ -301,6 +301,39 @@ def check_fsdp_modes(device: str = "cuda", precision: str = "bf16-mixed") -> lis
     return rows
 
 
+@dataclass(frozen=True)
+class PPFSDPCase(gpu_fit.Case):
+    """PP x FSDP in the Trainer (issue 35 item 6): 2 pipelines of 2 stages, each stage sharded over the 2
+    pipelines, every Linear a unit."""
+
+    def strategy(self, device: str) -> Any:
+        devices = [torch.device(device, 0) if device == "cuda" else torch.device("cpu")] * self.world
+        return PipeDreamStrategy(
+            chunks=2, pp_size=2, data_parallel="fsdp", auto_wrap_policy={nn.Linear},
+            parallel_devices=devices, process_group_backend="gloo",
+        )  # fmt: skip
+
+    @property
+    def label(self) -> str:
+        return f"hai_pipedream(pp x fsdp, pp_size=2) on {self.world} processes"
+
+
+def _pp_fsdp_worker(rank: int, world: int, device: str, precision: str) -> tuple[str, float, float]:
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    case = PPFSDPCase("hai_pipedream(pp x fsdp)", world, dp=world // 2)
+    return case.label, gpu_fit.fit_error(case, precision, device), gpu_fit.tolerance(case, precision)
+
+
+def check_pp_fsdp(device: str = "cuda", precision: str = "bf16-mixed") -> list[Row]:
+    """PP x FSDP (``PipeDreamStrategy(data_parallel="fsdp")``) fitted on 4 processes sharing the GPU, against one
+    fp32 process (``gpu_fit``'s tolerance for ``precision``): sharded stages, the engine's CUDA gathers and
+    reduce-scatters under a pipeline, bf16 autocast per microbatch."""
+    label, error, limit = run_distributed(_pp_fsdp_worker, 4, device, precision, timeout=420)[0]
+    detail = f"max rel err of the change {error:.1e} (tolerance {limit:.1e})"
+    return [Row(f"Trainer fit {label}, {precision} on {device}", error < limit, detail)]
+
+
 def check_gpu_tests() -> list[Row]:
     """The test suite's GPU-only tests (hai_fsdp CUDA parity, offload's CUDA paths)."""
     proc = subprocess.run(
@@ -341,6 +374,7 @@ CHECKS: dict[str, Callable[[], list[Row]]] = {
     "hierarchical": check_hierarchical,
     "fit": check_fit,
     "fsdp_modes": check_fsdp_modes,
+    "pp_fsdp": check_pp_fsdp,
     "race": check_race,
     "gpu_tests": check_gpu_tests,
     "offload": check_offload,

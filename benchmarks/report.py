@@ -1,7 +1,7 @@
 """``make bench``: every technique beside its peer in one run; writes RESULTS.md's summary and results.png.
 
     python -m benchmarks.report [--quick] [--only allreduce,ddp,fsdp,fsdp_medium,fsdp_modes,hybrid,pipeline,
-    pipeline_split,offload_hooks,offload]
+    pp_fsdp,pipeline_split,offload_hooks,offload]
 
 Each benchmark runs as its own subprocess (its log under ``benchmarks/logs/``) and writes rows as JSON:
 ``technique, config, ours, peer, metric, ours_value, peer_value`` (higher is better) and, where measured,
@@ -57,6 +57,7 @@ def runs(quick: bool) -> list[Run]:
         Run("fsdp", ["strategies", "fsdp", *repeats], 150 if quick else 280),
         Run("hybrid", ["strategies", "hybrid", *repeats], 240 if quick else 480),  # issue 27: 2 hosts x 2 ranks
         Run("pipeline", ["strategies", "pipeline"], 55),
+        Run("pp_fsdp", ["strategies", "pp_fsdp", *(["--order", "ab"] if quick else [])], 210 if quick else 420),
         Run("pipeline_split", ["pipeline_split"], 240),
         Run("offload_hooks", ["offload_overhead"], 12),
         Run("offload", ["offload_gpu"], 120, needs_cuda=True),

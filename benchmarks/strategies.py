@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-TECHNIQUES = ("ddp", "fsdp", "hybrid", "pipeline")
+TECHNIQUES = ("ddp", "fsdp", "hybrid", "pipeline", "pp_fsdp")
 
 
 def main(argv: list[str]) -> int:

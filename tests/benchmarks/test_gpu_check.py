@@ -66,3 +66,11 @@ def test_fsdp_mode_checks_pass_on_cpu() -> None:
     for mode in modes:
         assert any(mode in label for label in labels), mode
     assert all(row.ok for row in rows), rows
+
+
+def test_pp_fsdp_check_passes_on_cpu() -> None:
+    """PP x FSDP in the Trainer (4 processes: 2 pipelines of 2 sharded stages) under bf16-mixed, compared with one
+    fp32 process as on the GPU."""
+    (row,) = gpu_check.check_pp_fsdp("cpu")
+    assert row.ok, row.detail
+    assert "pp x fsdp" in row.check and "bf16-mixed on cpu" in row.check
