@@ -204,9 +204,12 @@ def _close_and_teardown(rank: int, world: int) -> list[bool]:
         seen.append(closed[1:] == [a, b] and a.reducer.stopped and b.reducer.stopped)
         pipeline = PipeDreamStrategy(accelerator=CPUAccelerator(), **_placed(world))
         stage = DistributedDataParallel(nn.Linear(4, 2))
-        pipeline._pipeline = type("Pipeline", (), {"stages": [stage, nn.Linear(2, 2)]})()
+        pipeline_closed: list[bool] = []
+        pipeline._pipeline = type(
+            "Pipeline", (), {"stages": [stage, nn.Linear(2, 2)], "close": lambda self: pipeline_closed.append(True)}
+        )()
         pipeline.teardown()
-        seen.append(closed[3:] == [stage] and stage.reducer.stopped)
+        seen.append(closed[3:] == [stage] and stage.reducer.stopped and pipeline_closed == [True])
     finally:
         DistributedDataParallel.close = original  # type: ignore[method-assign]
     return seen
