@@ -131,14 +131,18 @@ def _hosts(group: dist.ProcessGroup, ranks: list[int]) -> list[list[int]]:
 
 def _groups(shard_lists: list[list[int]]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's shard group (one of ``shard_lists``) and replicate group (the ranks at its index in every
-    list). Collective over every listed rank; built once per layout."""
+    list). Collective over this rank's two groups only: each stage of a pipeline builds its own at once, and a
+    world-wide enumeration would give one stage's groups the names of another's. Built once per layout."""
     key = tuple(map(tuple, shard_lists))
     if key not in _CACHE:
         replicate_lists = [list(ranks) for ranks in zip(*shard_lists, strict=True)]
-        shard, _ = dist.new_subgroups_by_enumeration(shard_lists)
-        replicate, _ = dist.new_subgroups_by_enumeration(replicate_lists)
-        _CACHE[key] = (shard, replicate)
+        _CACHE[key] = (_own_group(shard_lists), _own_group(replicate_lists))
     return _CACHE[key]
+
+
+def _own_group(lists: list[list[int]]) -> dist.ProcessGroup:
+    ranks = next(ranks for ranks in lists if dist.get_rank() in ranks)
+    return dist.new_group(ranks, use_local_synchronization=True)
 
 
 def _pair(value: tuple[Any, ...]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

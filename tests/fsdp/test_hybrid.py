@@ -207,3 +207,26 @@ def test_bad_meshes_name_the_fix_and_the_timeout_reaches_every_strategys_engines
     seven = timedelta(seconds=7)
     for sizes in run_distributed(_bad, 2):
         assert sizes == {"FULL_SHARD": (2, None, seven), "NO_SHARD": (1, 2, seven), "HYBRID_SHARD": (1, 2, seven)}
+
+
+def _hybrid_per_stage(rank: int, world: int) -> dict:
+    from lightning_haiscale.pipeline import make_subgroups
+
+    dp_group, _ = make_subgroups(2)  # stage 0: ranks 0, 2 (hosts a, b); stage 1: ranks 1, 3
+    shard, replicate = hybrid_groups(group=dp_group)  # each stage alone, each enumerating its own hosts
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=replicate)
+    return {
+        "shard": dist.get_process_group_ranks(shard),
+        "replicate": dist.get_process_group_ranks(replicate),
+        "sum": total.item(),
+    }
+
+
+def test_hybrid_groups_over_each_stages_group_are_that_stages_own() -> None:
+    """Each pipeline stage builds hybrid groups over its own data-parallel group at once (the others do not take
+    part): every rank gets its stage's groups, and a collective over them sums that stage's ranks only."""
+    results = run_distributed(_hybrid_per_stage, 4, node_ids=HOSTS, timeout=120)
+    for rank, got in enumerate(results):
+        stage = [r for r in range(4) if r % 2 == rank % 2]
+        assert got == {"shard": [rank], "replicate": stage, "sum": float(sum(stage))}
