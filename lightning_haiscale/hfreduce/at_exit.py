@@ -11,11 +11,22 @@ watcher), and the default process group if this library created it (a strategy's
 ``adapter/process_group.py``), whose destruction joins gloo's threads. A process group the user created is
 the user's to destroy (docs/troubleshooting.md); a strategy keeps its group until exit, since a later
 ``fit``/``test`` of the same process reuses it, as Lightning's ``ddp`` does.
+
+[Note: the last reference to a gloo work]
+Destroying a process group does not end its gloo threads while Python holds the group (our wrappers do,
+until the interpreter clears them). A gloo worker drops its reference to a work just after completing it;
+when that reference is the last, it frees the work's tensors, which takes the GIL (a tensor's Python
+object), and during finalization that kills the process (seen: ``examples/plain/fsdp.py`` aborted after its
+last collective, the arrival check of ``summon_full_params``, about 1 run in 20 on a loaded machine, the
+core showing ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop``). So the library's own gloo
+collectives run ``async_op=True`` and hand their finished work to :func:`retain`: the last reference is
+then Python's, dropped on the main thread.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import weakref
 from collections.abc import Callable
@@ -23,7 +34,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-__all__ = ["call_at_exit", "close_at_exit", "destroy_at_exit"]
+__all__ = ["call_at_exit", "close_at_exit", "destroy_at_exit", "retain"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +46,7 @@ class _Closable(Protocol):
 _OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
 _STEPS: list[Callable[[], None]] = []
 _owned: list[Any] = []  # the default process group this library created, if it did
+_RETAINED: collections.deque[Any] = collections.deque(maxlen=16)  # the library's latest finished gloo works
 
 
 def close_at_exit(obj: _Closable) -> None:
@@ -45,6 +57,12 @@ def close_at_exit(obj: _Closable) -> None:
 def call_at_exit(step: Callable[[], None]) -> None:
     """``step()`` runs at exit, after the open communicators closed and before the process group ends."""
     _STEPS.append(step)
+
+
+def retain(work: Any) -> None:
+    """Keeps a finished gloo ``work`` referenced from Python, so that a gloo thread never frees it while the
+    interpreter finalizes (see [Note: the last reference to a gloo work]); the oldest are let go."""
+    _RETAINED.append(work)
 
 
 def destroy_at_exit() -> None:

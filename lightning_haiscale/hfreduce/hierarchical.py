@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from lightning_haiscale.hfreduce._native import load_engine
 from lightning_haiscale.hfreduce.abort import forget_other_hosts, watch_other_hosts
+from lightning_haiscale.hfreduce.at_exit import retain
 from lightning_haiscale.hfreduce.backend import Backend
 from lightning_haiscale.hfreduce.dtypes import engine_dtype
 from lightning_haiscale.hfreduce.errors import (
@@ -85,9 +86,11 @@ class HierarchicalBackend(Backend):
             by_local = input.view(self._world_size, n).index_select(0, order).contiguous()
             host_pieces = output.new_empty(self.topology.num_hosts * n)
             self._host.reduce_scatter(host_pieces, by_local, 1.0)
-            # blocking: gloo's asynchronous reduce_scatter_tensor never reported is_completed() here
+            # waited at once, not polled: gloo's asynchronous reduce_scatter_tensor never reported is_completed() here
             with self._naming_peers():
-                reduce_scatter_tensor(output, host_pieces, group=self._cross_group)
+                work = reduce_scatter_tensor(output, host_pieces, group=self._cross_group, async_op=True)
+                work.wait()
+            retain(work)  # see [Note: the last reference to a gloo work] in at_exit.py
         if divisor != 1.0:
             output.div_(divisor)
 
@@ -127,6 +130,7 @@ class HierarchicalBackend(Backend):
             time.sleep(_CROSS_POLL_S)
         with self._naming_peers():
             work.wait()
+        retain(work)  # see [Note: the last reference to a gloo work] in at_exit.py
 
     @contextlib.contextmanager
     def _naming_peers(self) -> Iterator[None]:

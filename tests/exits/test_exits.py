@@ -71,3 +71,39 @@ def test_what_the_library_started_has_ended_before_finalization() -> None:
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "at finalization: False []" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def _gloo_collectives_keep_their_works(rank: int, world: int) -> list[int]:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_haiscale.fsdp.arrival import ArrivalCheck
+    from lightning_haiscale.hfreduce import at_exit
+    from lightning_haiscale.hfreduce.torch_backend import TorchBackend
+
+    kept = []
+    backend = TorchBackend(dist.group.WORLD)
+    for call in (
+        lambda: backend.all_reduce(torch.ones(4), 1.0),
+        lambda: backend.reduce_scatter(torch.empty(2), torch.ones(4), 1.0),
+        lambda: backend.all_gather(torch.empty(4), torch.ones(2)),
+        lambda: backend.broadcast(torch.ones(4), 0),
+        lambda: ArrivalCheck(dist.group.WORLD, timedelta(seconds=30))("the check"),
+    ):
+        before = list(at_exit._RETAINED)
+        call()
+        kept.append(len([w for w in at_exit._RETAINED if not any(w is b for b in before)]))
+    return kept
+
+
+def test_the_librarys_gloo_collectives_keep_their_finished_work() -> None:
+    """A gloo thread never holds the last reference to the library's works (see [Note: the last reference to a
+    gloo work] in lightning_haiscale/hfreduce/at_exit.py): each collective hands its work to ``retain``. The abort
+    it prevents is rare (about 1 run in 20 of examples/plain/fsdp.py, loaded), so its count is the closing note's
+    loop; this test fails when a collective stops handing its work over."""
+    from lightning_haiscale.testing.distributed import run_distributed
+
+    for kept in run_distributed(_gloo_collectives_keep_their_works, 2):
+        assert kept == [1, 1, 1, 1, 1]
