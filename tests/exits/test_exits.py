@@ -1,8 +1,9 @@
 """A finished job exits 0 (see [Note: a finished job exits 0] in lightning_haiscale/hfreduce/at_exit.py): a
 Trainer and a Fabric script per strategy run under torchrun; any non-zero exit (an abort at exit is SIGABRT) fails.
 The plain examples' exits are checked by tests/examples/test_scripts.py. A rare abort needs loops of many runs,
-outside the suite's budget: ``EXIT_RUNS=100 pytest -m slow tests/exits`` (issue 32's closing note records them);
-here one run per case catches a frequent one."""
+outside the suite's budget: ``EXIT_RUNS=100 pytest -m slow tests/exits`` for these cases, ``tests/exits/exit_loop.sh``
+for every example and strategy script (issue 32's closing notes record them); here one run per case catches a
+frequent one."""
 
 from __future__ import annotations
 
