@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_haiscale.hfreduce.at_exit import retain
+from lightning_haiscale.hfreduce.at_exit import wait_and_keep
 
 __all__ = ["ArrivalCheck", "CollectiveMisuseError"]
 
@@ -77,8 +77,7 @@ class ArrivalCheck:
             ) from error
         numbers = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
         work = dist.all_gather(numbers, torch.tensor([self._number]), group=group, async_op=True)
-        work.wait()
-        retain(work)  # see [Note: the last reference to a gloo work] in hfreduce/at_exit.py
+        wait_and_keep(work)  # see [Note: the last reference to a gloo work] in hfreduce/at_exit.py
         if any(int(n) != self._number for n in numbers):
             raise CollectiveMisuseError(
                 f"{call} is collective{hint}: the ranks called it on different models (models number "

@@ -19,8 +19,8 @@ when that reference is the last, it frees the work's tensors, which takes the GI
 object), and during finalization that kills the process (seen: ``examples/plain/fsdp.py`` aborted after its
 last collective, the arrival check of ``summon_full_params``, about 1 run in 20 on a loaded machine, the
 core showing ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop``). So the library's own gloo
-collectives run ``async_op=True`` and hand their finished work to :func:`retain`: the last reference is
-then Python's, dropped on the main thread.
+collectives run ``async_op=True`` and end in :func:`wait_and_keep`: the last reference is then Python's,
+dropped on the main thread.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-__all__ = ["call_at_exit", "close_at_exit", "destroy_at_exit", "retain"]
+__all__ = ["call_at_exit", "close_at_exit", "destroy_at_exit", "wait_and_keep"]
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,10 @@ def call_at_exit(step: Callable[[], None]) -> None:
     _STEPS.append(step)
 
 
-def retain(work: Any) -> None:
-    """Keeps a finished gloo ``work`` referenced from Python, so that a gloo thread never frees it while the
-    interpreter finalizes (see [Note: the last reference to a gloo work]); the oldest are let go."""
+def wait_and_keep(work: Any) -> None:
+    """Waits for a gloo ``work`` and keeps it referenced from Python, so that a gloo thread never frees it while
+    the interpreter finalizes (see [Note: the last reference to a gloo work]); the oldest are let go."""
+    work.wait()
     _RETAINED.append(work)
 
 

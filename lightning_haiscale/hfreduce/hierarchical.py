@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from lightning_haiscale.hfreduce._native import load_engine
 from lightning_haiscale.hfreduce.abort import forget_other_hosts, watch_other_hosts
-from lightning_haiscale.hfreduce.at_exit import retain
+from lightning_haiscale.hfreduce.at_exit import wait_and_keep
 from lightning_haiscale.hfreduce.backend import Backend
 from lightning_haiscale.hfreduce.dtypes import engine_dtype
 from lightning_haiscale.hfreduce.errors import (
@@ -88,9 +88,7 @@ class HierarchicalBackend(Backend):
             self._host.reduce_scatter(host_pieces, by_local, 1.0)
             # waited at once, not polled: gloo's asynchronous reduce_scatter_tensor never reported is_completed() here
             with self._naming_peers():
-                work = reduce_scatter_tensor(output, host_pieces, group=self._cross_group, async_op=True)
-                work.wait()
-            retain(work)  # see [Note: the last reference to a gloo work] in at_exit.py
+                wait_and_keep(reduce_scatter_tensor(output, host_pieces, group=self._cross_group, async_op=True))
         if divisor != 1.0:
             output.div_(divisor)
 
@@ -129,8 +127,7 @@ class HierarchicalBackend(Backend):
                 raise HFReduceAbortedError(f"hfreduce: {reason} (this is group rank {self.rank})", [rank])
             time.sleep(_CROSS_POLL_S)
         with self._naming_peers():
-            work.wait()
-        retain(work)  # see [Note: the last reference to a gloo work] in at_exit.py
+            wait_and_keep(work)  # see [Note: the last reference to a gloo work] in at_exit.py
 
     @contextlib.contextmanager
     def _naming_peers(self) -> Iterator[None]:

@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_haiscale.hfreduce.at_exit import retain
+from lightning_haiscale.hfreduce.at_exit import wait_and_keep
 from lightning_haiscale.hfreduce.backend import Backend
 
 # torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old names.
@@ -17,12 +17,6 @@ all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank) if group is not dist.group.WORLD else group_rank
-
-
-def _finish(work: dist.Work) -> None:
-    """Waits for ``work`` and keeps it (see [Note: the last reference to a gloo work] in at_exit.py)."""
-    work.wait()
-    retain(work)
 
 
 class TorchBackend(Backend):
@@ -36,20 +30,20 @@ class TorchBackend(Backend):
 
     def all_reduce(self, tensor: torch.Tensor, divisor: float) -> None:
         flat = tensor.view(-1)
-        _finish(dist.all_reduce(flat, group=self._group, async_op=True))
+        wait_and_keep(dist.all_reduce(flat, group=self._group, async_op=True))
         if divisor != 1.0:
             flat.div_(divisor)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, divisor: float) -> None:
-        _finish(reduce_scatter_tensor(output, input, group=self._group, async_op=True))
+        wait_and_keep(reduce_scatter_tensor(output, input, group=self._group, async_op=True))
         if divisor != 1.0:
             output.div_(divisor)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        _finish(all_gather_tensor(output, input, group=self._group, async_op=True))
+        wait_and_keep(all_gather_tensor(output, input, group=self._group, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        _finish(dist.broadcast(tensor, src=global_rank(self._group, src), group=self._group, async_op=True))
+        wait_and_keep(dist.broadcast(tensor, src=global_rank(self._group, src), group=self._group, async_op=True))
 
     def barrier(self) -> None:
         dist.barrier(group=self._group)

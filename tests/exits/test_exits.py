@@ -101,7 +101,7 @@ def _gloo_collectives_keep_their_works(rank: int, world: int) -> list[int]:
 
 def test_the_librarys_gloo_collectives_keep_their_finished_work() -> None:
     """A gloo thread never holds the last reference to the library's works (see [Note: the last reference to a
-    gloo work] in lightning_haiscale/hfreduce/at_exit.py): each collective hands its work to ``retain``. The abort
+    gloo work] in lightning_haiscale/hfreduce/at_exit.py): each collective ends in ``wait_and_keep``. The abort
     it prevents is rare (about 1 run in 20 of examples/plain/fsdp.py, loaded), so its count is the closing note's
     loop; this test fails when a collective stops handing its work over."""
     from lightning_haiscale.testing.distributed import run_distributed
