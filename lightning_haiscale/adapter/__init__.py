@@ -7,6 +7,7 @@ other face.
 - ``ddp_options``: hai_ddp's options, parsed once, and its wrapper.
 - ``fsdp_options``: Lightning ``FSDPStrategy``'s keywords, checked once and turned into the wrapper's options.
 - ``process_group``: the process group, on a store that a torchrun restart cannot confuse.
+- ``collectives``: the collectives Lightning asks of a strategy, whose gloo works outlive the call.
 - ``registry``: the strategies' names, registered once in Lightning's registries.
 - ``precision``: the fp16 loss scaler of a model split across ranks.
 - ``checkpoint_files``: atomic checkpoint files and folders.

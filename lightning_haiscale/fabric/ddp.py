@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_haiscale.adapter.arguments import check_choice, check_timeout, strategy_repr
 from lightning_haiscale.adapter.checkpoint_io import check_file_targets, save_file
+from lightning_haiscale.adapter.collectives import ExitSafeCollectives
 from lightning_haiscale.adapter.ddp_options import START_METHODS, hai_ddp_options, wrap_hai_ddp
 from lightning_haiscale.adapter.registry import register_once
 from lightning_haiscale.ddp import DistributedDataParallel
@@ -24,7 +25,7 @@ from lightning_haiscale.fabric.shared import NoSyncControl, Wrapped, setup_distr
 __all__ = ["HaiDDPStrategy"]
 
 
-class HaiDDPStrategy(DDPStrategy):
+class HaiDDPStrategy(ExitSafeCollectives, DDPStrategy):
     """Fabric data parallel on the hfreduce engine: ``Fabric(strategy="hai_ddp")``.
 
     The parameters are Fabric ``DDPStrategy``'s, in its order, then hai_ddp's own (see

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_haiscale.adapter.arguments import check_choice, check_timeout, strategy_repr
+from lightning_haiscale.adapter.collectives import ExitSafeCollectives
 from lightning_haiscale.adapter.fsdp_options import hai_fsdp_options, wrap_hai_fsdp
 from lightning_haiscale.adapter.precision import agree_on_inf
 from lightning_haiscale.adapter.registry import register_once
@@ -34,7 +35,7 @@ from lightning_haiscale.fsdp.wrap import AutoWrapPolicy
 __all__ = ["HaiFSDPStrategy"]
 
 
-class HaiFSDPStrategy(DDPStrategy, Sharded):
+class HaiFSDPStrategy(ExitSafeCollectives, DDPStrategy, Sharded):
     """Fabric sharded data parallel: ``Fabric(strategy="hai_fsdp")``.
 
     Processes, the process group and the collectives (``all_reduce``, ``barrier``, ``broadcast``) are Fabric

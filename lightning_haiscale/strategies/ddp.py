@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_haiscale.adapter.arguments import check_choice, check_timeout, strategy_repr
 from lightning_haiscale.adapter.checkpoint_io import check_file_targets, optimizer_states_of, save_file
+from lightning_haiscale.adapter.collectives import ExitSafeCollectives
 from lightning_haiscale.adapter.ddp_options import START_METHODS, TORCH_DDP_ONLY, hai_ddp_options, wrap_hai_ddp
 from lightning_haiscale.adapter.process_group import init_dist_connection
 from lightning_haiscale.adapter.registry import register_once
@@ -29,7 +30,7 @@ __all__ = ["HaiDDPStrategy"]
 _UNUSED_PARAMETERS = "got no gradient in this backward"
 
 
-class HaiDDPStrategy(DDPStrategy):
+class HaiDDPStrategy(ExitSafeCollectives, DDPStrategy):
     """Data parallel whose gradients are averaged by the hfreduce engine while backward runs.
 
     Everything else is Lightning's ``DDPStrategy``: launchers, samplers, ``num_nodes`` (several hosts take

@@ -1,12 +1,13 @@
 """``HaiParallelStrategy``: one process per device in a ``torch.distributed`` world, with no DDP wrapper.
 
-What ``hai_fsdp`` and the pipeline strategies share: topology, launch, the process group, and the
-collectives Lightning calls for logging and checkpoints, and ``block_backward_sync``. Lightning's
-``DDPStrategy`` does the same work, but around torch's ``DistributedDataParallel``; Lightning's own FSDP and
-ModelParallel strategies each repeat it, and so would we without this base.
+What ``hai_fsdp`` and the pipeline strategies share: topology, launch, the process group, the collectives
+Lightning calls for logging and checkpoints (``adapter.collectives``, which every strategy of both faces mixes
+in), and ``block_backward_sync``. Lightning's ``DDPStrategy`` does the same work, but around torch's
+``DistributedDataParallel``; Lightning's own FSDP and ModelParallel strategies each repeat it, and so would we
+without this base.
 
 What every Trainer strategy of this package shares lives here too: :func:`no_sync_of`. The private Lightning
-helpers the Trainer strategies use (``_sync_ddp_if_available``, the subprocess launcher, ``_optimizers_to_device``,
+helpers the Trainer strategies use (the subprocess launcher, ``_optimizers_to_device``,
 ``Strategy._reset_optimizers_and_schedulers``) are the ones every Lightning strategy uses; they are imported or
 called in this one module so a Lightning upgrade touches one place (the process group's own,
 ``_init_dist_connection``, in ``adapter.process_group``, which both faces share).
@@ -22,16 +23,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -42,6 +40,7 @@ from typing_extensions import override
 
 from lightning_haiscale.adapter.arguments import check_timeout
 from lightning_haiscale.adapter.checkpoint_io import check_file_targets, save_file
+from lightning_haiscale.adapter.collectives import ExitSafeCollectives
 from lightning_haiscale.adapter.precision import agree_on_inf
 from lightning_haiscale.adapter.process_group import init_dist_connection
 from lightning_haiscale.hfreduce import abort_job
@@ -49,7 +48,7 @@ from lightning_haiscale.hfreduce import abort_job
 __all__ = ["HaiParallelStrategy", "no_sync_of"]
 
 
-class HaiParallelStrategy(ParallelStrategy):
+class HaiParallelStrategy(ExitSafeCollectives, ParallelStrategy):
     """A process per device, started like ``"ddp"`` (torchrun, SLURM, or Lightning's subprocess launcher).
 
     Args:
@@ -196,32 +195,6 @@ class HaiParallelStrategy(ParallelStrategy):
         check_file_targets(self.broadcast, self.is_global_zero, [filepath])
         if self.is_global_zero:
             save_file(self.checkpoint_io, checkpoint, filepath, storage_options)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if dist.get_backend() == dist.Backend.NCCL:  # NCCL must know the device, or it guesses GPU 0
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(
-        self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> torch.Tensor | Any:
-        """Over the world (or ``group``); anything but a tensor is returned as is."""
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
 
 def no_sync_of(module: Any) -> AbstractContextManager[None]:
