@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_haiscale.hfreduce import kept_collectives
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -41,11 +43,11 @@ def clip_grad_norm_(
     if norm_type == math.inf:
         total = local.to(dtype).reshape(1)
         for group in groups:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+            kept_collectives.all_reduce(total, dist.ReduceOp.MAX, group)
     else:
         total = local.double().pow(norm_type).reshape(1)  # fp64: p-th powers of large norms stay finite
         for group in groups:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            kept_collectives.all_reduce(total, dist.ReduceOp.SUM, group)
         total = total.pow(1.0 / norm_type).to(dtype)
     total = total.reshape(())
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

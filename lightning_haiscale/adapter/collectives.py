@@ -6,12 +6,11 @@ worker may still hold it; the worker's reference is then the last, and when the 
 script whose last line is ``fabric.all_reduce(...)``), the worker frees the work's tensors while the interpreter
 finalizes and the process aborts (seen: 5 runs in 119 of ``tests/exits/exit_job.py fabric``, loaded, every core
 showing ``~AsyncAllreduceWork`` in ``ProcessGroupGloo::runLoop``; see [Note: the last reference to a gloo work] in
-``hfreduce/at_exit.py``). Here each collective runs ``async_op=True`` and ends in ``wait_and_keep``.
+``hfreduce/at_exit.py``). Here each runs through ``hfreduce.kept_collectives``, which keeps its works.
 """
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
 from lightning.fabric.utilities.types import ReduceOp
 
-from lightning_haiscale.hfreduce.at_exit import wait_and_keep
+from lightning_haiscale.hfreduce import kept_collectives
 
 __all__ = ["ExitSafeCollectives"]
 
@@ -41,21 +40,11 @@ class ExitSafeCollectives:
         if not _initialized():
             return
         nccl = dist.get_backend() == dist.Backend.NCCL  # NCCL must know the device, or it guesses GPU 0
-        wait_and_keep(dist.barrier(async_op=True, device_ids=[self.root_device.index] if nccl else None))
+        kept_collectives.barrier(device_ids=[self.root_device.index] if nccl else None)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``obj`` of global rank ``src``, pickled as ``broadcast_object_list`` does; ``src`` keeps its own."""
-        if not _initialized():
-            return obj
-        device = self.root_device if dist.get_backend() == dist.Backend.NCCL else torch.device("cpu")
-        payload = pickle.dumps(obj) if dist.get_rank() == src else b""
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-        wait_and_keep(dist.broadcast(size, src, async_op=True))
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        if dist.get_rank() == src:
-            data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        wait_and_keep(dist.broadcast(data, src, async_op=True))
-        return obj if dist.get_rank() == src else pickle.loads(data.cpu().numpy().tobytes())
+        return kept_collectives.broadcast_object(obj, src) if _initialized() else obj
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """In place, as Lightning's: ``"mean"``/``"avg"`` divide the sum by the group's size where the backend has
@@ -64,7 +53,7 @@ class ExitSafeCollectives:
             return tensor
         group = dist.group.WORLD if group is None else group
         op, divide = _reduce_op(reduce_op, group)
-        wait_and_keep(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+        kept_collectives.all_reduce(tensor, op, group)
         if not divide:
             return tensor
         size = dist.get_world_size(group)
@@ -80,7 +69,7 @@ class ExitSafeCollectives:
         group = dist.group.WORLD if group is None else group
         tensor = tensor.contiguous()
         gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        wait_and_keep(dist.all_gather(gathered, tensor, group=group, async_op=True))
+        kept_collectives.all_gather(gathered, tensor, group)
         return torch.stack(gathered)
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_haiscale.ddp.reducer import Reducer
-from lightning_haiscale.hfreduce import Communicator, supports_dtype
+from lightning_haiscale.hfreduce import Communicator, kept_collectives, supports_dtype
 
 __all__ = ["DistributedDataParallel"]
 
@@ -173,7 +173,7 @@ def _broadcast_buffers(comm: Communicator, buffers: list[torch.Tensor]) -> None:
             flat[start : start + n].copy_(t.detach().reshape(-1).view(torch.uint8))
         words = flat.view(torch.int64)
         if device.type == "cuda":
-            dist.broadcast(words, src=dist.get_global_rank(comm.group, 0), group=comm.group)
+            kept_collectives.broadcast(words, dist.get_global_rank(comm.group, 0), comm.group)
         else:
             comm.broadcast(words, src=0)
         if comm.rank != 0:
@@ -192,8 +192,7 @@ def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup) -> No
     wrong. Collective; every rank raises the same error."""
     mine = [(n, tuple(t.shape), t.dtype) for n, t in (*module.named_parameters(), *module.named_buffers())]
     world = dist.get_world_size(process_group)
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, mine, group=process_group)
+    every = kept_collectives.all_gather_object(mine, process_group)
     for rank in range(1, world):
         theirs = every[rank]
         if theirs == every[0]:
@@ -220,7 +219,7 @@ def _broadcast_coalesced(comm: Communicator, tensors: Iterable[torch.Tensor]) ->
         if supports_dtype(dtype):
             comm.broadcast(flat, src=0)
         else:  # e.g. bool buffers: rare and small, torch.distributed is fine
-            dist.broadcast(flat, src=dist.get_global_rank(comm.group, 0), group=comm.group)
+            kept_collectives.broadcast(flat, dist.get_global_rank(comm.group, 0), comm.group)
         if comm.rank == 0:
             continue
         offset = 0

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_haiscale.fsdp.layout import UnitLayout
-from lightning_haiscale.hfreduce import Communicator, Work
+from lightning_haiscale.hfreduce import Communicator, Work, kept_collectives
 
 __all__ = ["all_gather_shards", "all_reduce_grad", "broadcast_from_first", "gather_unit", "reduce_scatter_grads"]
 
@@ -46,4 +46,4 @@ def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) 
     source = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for tensor in tensors:
-            dist.broadcast(tensor.data, src=source, group=group)
+            kept_collectives.broadcast(tensor.data, source, group)

@@ -19,7 +19,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_haiscale.fsdp.collectives import gather_unit
@@ -32,7 +31,7 @@ from lightning_haiscale.fsdp.layout import (
     copy_overlap,
     to_cpu,
 )
-from lightning_haiscale.hfreduce import Communicator
+from lightning_haiscale.hfreduce import Communicator, kept_collectives
 
 __all__ = [
     "full_optim_state_dict",
@@ -137,8 +136,7 @@ def _sharded_keys(
                 if _is_sharded(value, piece.numel()):
                     keys.add((key, value.dtype))
         mine.append(keys)
-    everyone: list[Any] = [None] * layout.world_size
-    dist.all_gather_object(everyone, mine, group=comm.group)
+    everyone = kept_collectives.all_gather_object(mine, comm.group)
     return [sorted(set().union(*(rank[i] for rank in everyone)), key=str) for i in range(len(mine))]
 
 

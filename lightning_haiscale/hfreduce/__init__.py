@@ -15,6 +15,7 @@
 - ``liveness``: heartbeats through the store, so a silent host is named.
 - ``job_store``: the job's store (the default group's), where aborts and a stage's error are posted.
 - ``at_exit``: what the library started, ended before the interpreter finalizes.
+- ``kept_collectives``: torch.distributed's blocking collectives, each work kept to exit.
 - ``_native``: loads the native ``lightning_haiscale._C`` on first use.
 """
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_haiscale.hfreduce import kept_collectives
 from lightning_haiscale.hfreduce._native import load_engine
 from lightning_haiscale.hfreduce.errors import SharedMemoryTooSmallError
 from lightning_haiscale.hfreduce.topology import Topology
@@ -60,7 +61,7 @@ def create_shared(
     world_size = len(topology.peers)
     names: list[tuple[str | None, str | None]] = [(mine, failure)] * world_size
     if world_size > 1:
-        dist.all_gather_object(names, (mine, failure), group=group)
+        names = kept_collectives.all_gather_object((mine, failure), group)
     failures = [f for _, f in names if f is not None]
     if failures:
         del created  # unlinks this host's segment if it was made

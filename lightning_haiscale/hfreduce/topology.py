@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from lightning_haiscale.hfreduce import kept_collectives
 from lightning_haiscale.hfreduce.errors import HFReduceError
 
 NODE_ID_ENV = "HFREDUCE_NODE_ID"
@@ -123,9 +124,7 @@ class Topology:
 
 
 def _gather(mine: object, group: dist.ProcessGroup) -> list:
-    every: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    return every
+    return kept_collectives.all_gather_object(mine, group)
 
 
 def _write_probe() -> str | None:

@@ -7,6 +7,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from lightning_haiscale.hfreduce import kept_collectives
 from lightning_haiscale.hfreduce.at_exit import wait_and_keep
 from lightning_haiscale.hfreduce.backend import Backend
 
@@ -30,7 +31,7 @@ class TorchBackend(Backend):
 
     def all_reduce(self, tensor: torch.Tensor, divisor: float) -> None:
         flat = tensor.view(-1)
-        wait_and_keep(dist.all_reduce(flat, group=self._group, async_op=True))
+        kept_collectives.all_reduce(flat, group=self._group)
         if divisor != 1.0:
             flat.div_(divisor)
 
@@ -43,10 +44,10 @@ class TorchBackend(Backend):
         wait_and_keep(all_gather_tensor(output, input, group=self._group, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        wait_and_keep(dist.broadcast(tensor, src=global_rank(self._group, src), group=self._group, async_op=True))
+        kept_collectives.broadcast(tensor, global_rank(self._group, src), self._group)
 
     def barrier(self) -> None:
-        dist.barrier(group=self._group)
+        kept_collectives.barrier(self._group)
 
     def close(self) -> None:
         """Nothing to stop: the group is the caller's."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_haiscale.hfreduce import kept_collectives
 from lightning_haiscale.pipeline.balance import balanced_counts
 from lightning_haiscale.pipeline.module_stage import split_module
 from lightning_haiscale.pipeline.split import find_blocks, plan_split, trace_module
@@ -170,9 +171,8 @@ def _measured_times(
         x = tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
     module.zero_grad(set_to_none=True)
     if dist.is_available() and dist.is_initialized():
-        shared = [times]
-        dist.broadcast_object_list(shared, group=process_group, group_src=0)
-        times = shared[0]
+        group = process_group if process_group is not None else dist.group.WORLD
+        times = kept_collectives.broadcast_object(times, dist.get_global_rank(group, 0), group)
     log.info("measured layer times (s): %s", ", ".join(f"{t:.4f}" for t in times))
     return times
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_haiscale.hfreduce import kept_collectives
 
 __all__ = ["Tie", "TiedParameters", "find_ties", "ties_within_a_rank"]
 
@@ -73,9 +74,8 @@ class TiedParameters:
             return
         group = group if group is not None else dist.group.WORLD
         me = dist.get_rank(group)
-        pipelines: list[Any] = [None] * dist.get_world_size()
         signature = [(t.stages, t.names) for t in self.ties]
-        dist.all_gather_object(pipelines, (dist.get_process_group_ranks(group), signature))
+        pipelines = kept_collectives.all_gather_object((dist.get_process_group_ranks(group), signature))
         if any(sig != signature for _, sig in pipelines):
             raise ValueError(
                 "the ranks disagree on the tied parameters of the pipeline (each rank must build the same model): "
@@ -99,7 +99,7 @@ class TiedParameters:
     def broadcast_(self) -> None:
         """Every copy takes the first holder's value."""
         for tie, (group, src) in self.groups.items():
-            dist.broadcast(self.local[tie].data, src=src, group=group)
+            kept_collectives.broadcast(self.local[tie].data, src, group)
 
     @torch.no_grad()
     def reduce_gradients_(self) -> None:
@@ -108,4 +108,4 @@ class TiedParameters:
             param = self.local[tie]
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=group)
+            kept_collectives.all_reduce(param.grad, group=group)

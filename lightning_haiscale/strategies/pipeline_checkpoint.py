@@ -32,12 +32,12 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_haiscale.adapter.checkpoint_io import check_file_targets, check_optimizer_count, save_file
+from lightning_haiscale.hfreduce import kept_collectives
 from lightning_haiscale.strategies.pipeline_optim_state import first_names, merge_stage_states, stage_order, tie_aliases
 
 __all__ = [
@@ -216,8 +216,7 @@ class PipelineCheckpoints:
             local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
         if self.stages_per_pipeline == 1:
             return local
-        parts: list[Any] = [None] * self.stages_per_pipeline
-        dist.all_gather_object(parts, local, group=self._pp_group)
+        parts = kept_collectives.all_gather_object(local, self._pp_group)
         return {k: v for part in parts for k, v in part.items()}
 
     @override
@@ -251,9 +250,7 @@ class PipelineCheckpoints:
         """``part`` of every stage of this rank's pipeline, in stage order. Collective over the pipeline."""
         if self.stages_per_pipeline == 1:
             return [part]
-        parts: list[Any] = [None] * self.stages_per_pipeline
-        dist.all_gather_object(parts, part, group=self._pp_group)
-        return parts
+        return kept_collectives.all_gather_object(part, self._pp_group)
 
     def _stage_order(self) -> dict[str, Any]:
         return stage_order(self._stages, self.lightning_module, self.pp_rank, self.stages_per_pipeline)

@@ -40,6 +40,7 @@ from lightning_haiscale.adapter.fsdp_options import HaiFSDPOptions, hai_fsdp_opt
 from lightning_haiscale.fsdp import FullyShardedDataParallel
 from lightning_haiscale.fsdp.layout import ParamSlice
 from lightning_haiscale.fsdp.wrap import with_units
+from lightning_haiscale.hfreduce import kept_collectives
 from lightning_haiscale.hfreduce.topology import Topology
 from lightning_haiscale.pipeline.ties import Tie
 from lightning_haiscale.rank_layout import RankGroups, RankLayout
@@ -213,8 +214,7 @@ def _tie_owners(stages: Sequence[nn.Module], ties: Sequence[Tie]) -> list[list[n
                    for tie, param in copies.items()}  # fmt: skip
         refused += [tie.describe() for tie, found in holders.items() if len(list(found[0].parameters())) != 1]
         owners.append([found[0] for found in holders.values()])
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, refused)
+    every = kept_collectives.all_gather_object(refused)
     refused = [r for rank in every for r in rank]
     if refused:
         raise ValueError(

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_haiscale.hfreduce import kept_collectives
 from lightning_haiscale.pipeline import Pipeline, SequentialModel
 from lightning_haiscale.pipeline.pipelines import batch_rows, microbatch_sizes, split_batch
 
@@ -383,7 +384,9 @@ class PipelinedStep:
         payload = [{"loss": None if loss is None else float(loss), "logs": recorder.summary()}]
         if self.pipeline.num_ranks > 1:
             last = (self.pipeline.num_stages - 1) % self.pipeline.num_ranks
-            dist.broadcast_object_list(payload, group=self.group, group_src=last)
+            payload[0] = kept_collectives.broadcast_object(
+                payload[0], dist.get_global_rank(self.group, last), self.group
+            )
         for name, kind, value, log_kwargs in payload[0]["logs"]:
             shown = self.module.get_submodule(value) if kind == "metric" else torch.tensor(value, device=self.device)
             self.module.log(name, shown, **log_kwargs)

@@ -108,3 +108,31 @@ def test_the_librarys_gloo_collectives_keep_their_finished_work() -> None:
 
     for kept in run_distributed(_gloo_collectives_keep_their_works, 2):
         assert kept == [1, 1, 1, 1, 1]
+
+
+_BLOCKING = {
+    "all_reduce", "broadcast", "all_gather", "barrier", "reduce", "gather", "scatter", "all_to_all", "reduce_scatter",
+    "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather_object", "broadcast_object_list", "gather_object",
+    "scatter_object_list",
+}  # fmt: skip
+
+
+def test_the_library_calls_no_blocking_torch_collective() -> None:
+    """Each collective of the library goes through ``hfreduce.kept_collectives`` or runs ``async_op=True`` with its
+    work kept: a blocking ``dist.<collective>(...)`` drops its work while gloo's worker may hold it (see [Note: the
+    last reference to a gloo work])."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "lightning_haiscale").rglob("*.py")):
+        if path.name == "kept_collectives.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if not (isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"):
+                continue
+            asynchronous = any(k.arg == "async_op" and getattr(k.value, "value", None) is True for k in node.keywords)
+            if node.func.attr in _BLOCKING and not asynchronous:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} dist.{node.func.attr}")
+    assert not found, "blocking torch collectives (call hfreduce.kept_collectives instead):\n" + "\n".join(found)
