@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_haiscale.hfreduce.at_exit import wait_and_keep
+from lightning_haiscale.hfreduce import kept_collectives
 
 __all__ = ["ArrivalCheck", "CollectiveMisuseError"]
 
@@ -76,8 +76,7 @@ class ArrivalCheck:
                 f"{self.timeout.total_seconds():g} s: {error})"
             ) from error
         numbers = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-        work = dist.all_gather(numbers, torch.tensor([self._number]), group=group, async_op=True)
-        wait_and_keep(work)  # see [Note: the last reference to a gloo work] in hfreduce/at_exit.py
+        kept_collectives.all_gather(numbers, torch.tensor([self._number]), group)
         if any(int(n) != self._number for n in numbers):
             raise CollectiveMisuseError(
                 f"{call} is collective{hint}: the ranks called it on different models (models number "

@@ -53,12 +53,12 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
     device = _device(group)
     payload = pickle.dumps(obj)
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
-    all_gather(sizes, size, group)
-    longest = max(int(s.item()) for s in sizes)
-    datas = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
-    all_gather(datas, _bytes_tensor(payload, longest, device), group)
-    return [pickle.loads(data[: int(s.item())].cpu().numpy().tobytes()) for data, s in zip(datas, sizes, strict=True)]
+    gathered = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
+    all_gather(gathered, size, group)
+    sizes = [int(s.item()) for s in gathered]
+    datas = [torch.empty(max(sizes), dtype=torch.uint8, device=device) for _ in sizes]
+    all_gather(datas, _bytes_tensor(payload, max(sizes), device), group)
+    return [pickle.loads(data[:n].cpu().numpy().tobytes()) for data, n in zip(datas, sizes, strict=True)]
 
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:

@@ -114,17 +114,13 @@ class Topology:
         probe = _write_probe()
         try:
             me = PeerInfo(node_id(), shm_free_bytes, probe, _pid_namespace(), bool(os.environ.get(NODE_ID_ENV)))
-            peers = _gather(me, group)
+            peers = kept_collectives.all_gather_object(me, group)
             mine = frozenset(r for r, p in enumerate(peers) if p.probe and os.path.exists(f"{SHM_DIR}/{p.probe}"))
-            seen = _gather(mine, group)
+            seen = kept_collectives.all_gather_object(mine, group)
         finally:
             if probe is not None:
                 os.unlink(f"{SHM_DIR}/{probe}")
         return Topology.from_peers(peers, dist.get_rank(group), seen)
-
-
-def _gather(mine: object, group: dist.ProcessGroup) -> list:
-    return kept_collectives.all_gather_object(mine, group)
 
 
 def _write_probe() -> str | None:

@@ -381,16 +381,14 @@ class PipelinedStep:
 
     def publish(self, recorder: LogRecorder, loss: torch.Tensor | None) -> torch.Tensor:
         """Broadcasts the last stage's loss and logs over the pipeline and logs them on every stage."""
-        payload = [{"loss": None if loss is None else float(loss), "logs": recorder.summary()}]
+        payload = {"loss": None if loss is None else float(loss), "logs": recorder.summary()}
         if self.pipeline.num_ranks > 1:
             last = (self.pipeline.num_stages - 1) % self.pipeline.num_ranks
-            payload[0] = kept_collectives.broadcast_object(
-                payload[0], dist.get_global_rank(self.group, last), self.group
-            )
-        for name, kind, value, log_kwargs in payload[0]["logs"]:
+            payload = kept_collectives.broadcast_object(payload, dist.get_global_rank(self.group, last), self.group)
+        for name, kind, value, log_kwargs in payload["logs"]:
             shown = self.module.get_submodule(value) if kind == "metric" else torch.tensor(value, device=self.device)
             self.module.log(name, shown, **log_kwargs)
-        value = payload[0]["loss"]
+        value = payload["loss"]
         return torch.tensor(value if value is not None else float("nan"), device=self.device)
 
 
