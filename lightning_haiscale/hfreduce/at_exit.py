@@ -22,6 +22,9 @@ core showing ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop``; and a Fab
 ``fabric.all_reduce``, 5 runs in 119). So the library's collectives, the strategies' included, go through
 ``kept_collectives`` or run ``async_op=True`` and end in :func:`wait_and_keep`: the last reference is then
 Python's, dropped on the main thread (tests/exits/test_exits.py scans the package for blocking ones).
+The cost: a kept work holds its tensors until 16 newer works push it out, so a tensor the caller lets go
+lives a few steps longer (a pipeline's tied gradient, set to None each step, about 5 steps: 3 kept works a
+step), whatever the backend.
 """
 
 from __future__ import annotations
